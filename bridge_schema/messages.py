@@ -1,0 +1,254 @@
+"""Every message of the host<->driver bridge, declared once.
+
+A message is a dataclass; each field carries its wire type (see `fields`). Cross-field invariants
+of `Forward` live in `forward_checks`. `docs/bridge.md` documents every field.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+from bridge_schema.fields import array_field, scalar_field
+
+U8 = npt.NDArray[np.uint8]
+U32 = npt.NDArray[np.uint32]
+I32 = npt.NDArray[np.int32]
+I64 = npt.NDArray[np.int64]
+F32 = npt.NDArray[np.float32]
+
+
+class Status(enum.IntEnum):
+    """Reply status. 0 is success; anything else comes with an `ErrorReply`."""
+
+    OK = 0
+    BAD_REQUEST = 1  # malformed frame or message (schema violation)
+    OUT_OF_RANGE = 2  # well-formed but outside the driver's limits (page, token, size)
+    UNSUPPORTED = 3  # a capability this driver lacks
+    NOT_READY = 4  # a request before the handshake
+    INTERNAL = 5  # the driver failed while executing a valid request
+
+
+class SamplerKind(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1  # temperature, then top-k, top-p and min-p filters
+
+
+class Probe(enum.IntFlag):
+    """What an output row reports besides its sampled token."""
+
+    NONE = 0
+    LOGPROBS = 1  # logprob of the sampled token and the top `probe_k` tokens
+    DISTRIBUTION = 2  # the whole log-probability vector (vocab_size floats)
+
+
+class Message:
+    """Base of all messages: `TAG` is the wire type tag, `id` pairs a request with its reply."""
+
+    TAG: ClassVar[str]
+    IS_REPLY: ClassVar[bool] = False
+    id: int
+
+
+# ---------------------------------------------------------------- handshake
+
+
+@dataclass(slots=True)
+class Hello(Message):
+    """Host -> driver, first message on a connection: what the host asks for (0 = driver default)."""
+
+    TAG: ClassVar[str] = "hello"
+    id: int = scalar_field("int", 0, "u64")
+    page_size: int = scalar_field("int", 0, "u32")
+    num_pages: int = scalar_field("int", 0, "u32")
+    prefix_match_unit: int = scalar_field("int", 0, "u32")
+    speculation_depth: int = scalar_field("int", 0, "u32")
+
+
+@dataclass(slots=True)
+class Handshake(Message):
+    """Driver -> host reply to `Hello`: the model and the limits the driver *resolved*."""
+
+    TAG: ClassVar[str] = "handshake"
+    IS_REPLY: ClassVar[bool] = True
+    id: int = scalar_field("int", 0, "u64")
+    status: int = scalar_field("int", 0, "u32")
+    driver_kind: str = scalar_field("str", "")
+    model_name: str = scalar_field("str", "")
+    vocab_size: int = scalar_field("int", 0, "u32")
+    page_size: int = scalar_field("int", 0, "u32")
+    num_pages: int = scalar_field("int", 0, "u32")
+    max_context: int = scalar_field("int", 0, "u32")
+    max_requests_per_pass: int = scalar_field("int", 0, "u32")
+    max_tokens_per_pass: int = scalar_field("int", 0, "u32")
+    max_mask_bytes: int = scalar_field("int", 0, "u64")
+    max_probe_k: int = scalar_field("int", 0, "u32")
+    capabilities: list[str] = scalar_field("strs")
+    tokenizer_kind: str = scalar_field("str", "bytes")  # "bytes" | "huggingface"
+    tokenizer_data: str = scalar_field("str", "")  # tokenizer.json text for "huggingface"
+    chat_template: str = scalar_field("str", "")  # jinja2 source
+    stop_token_ids: U32 = array_field("<u4")
+    control_token_ids: U32 = array_field("<u4")
+
+
+# ---------------------------------------------------------------- forward
+
+
+@dataclass(slots=True)
+class Forward(Message):
+    """A batch of forward passes in CSR form (R requests, T tokens, O output rows).
+
+    Request r owns tokens[token_indptr[r]:token_indptr[r+1]] at the same slice of `positions`,
+    and KV pages pages[page_indptr[r]:page_indptr[r+1]], whose last page holds last_page_len[r]
+    slots. Its keys are kv_len = (num_pages_r - 1) * page_size + last_page_len[r]; the request's
+    new tokens fill the last T_r of those slots, in order.
+    """
+
+    TAG: ClassVar[str] = "forward"
+    id: int = scalar_field("int", 0, "u64")
+    context_ids: U32 = array_field("<u4")  # [R]
+    adapter_ids: I32 = array_field("<i4")  # [R], -1 = base model
+    token_indptr: U32 = array_field("<u4")  # [R+1]
+    tokens: U32 = array_field("<u4")  # [T]
+    positions: U32 = array_field("<u4")  # [T]
+    page_indptr: U32 = array_field("<u4")  # [R+1]
+    pages: U32 = array_field("<u4")  # [P]
+    last_page_len: U32 = array_field("<u4")  # [R]
+    # Attention masks: request r has 0 rows (causal) or one row per token; a row is BRLE run
+    # lengths over the request's kv_len keys, false run first; applied AND causal.
+    mask_req_indptr: U32 = array_field("<u4")  # [R+1] over rows
+    mask_row_indptr: U32 = array_field("<u4")  # [rows+1] over runs
+    mask_runs: U32 = array_field("<u4")  # [runs]
+    # Output rows: which rows of a request produce a token and/or probe outputs.
+    out_indptr: U32 = array_field("<u4")  # [R+1] over output rows
+    out_rows: U32 = array_field("<u4")  # [O] row index within its request, strictly increasing
+    sampler: U8 = array_field("<u1")  # [O] SamplerKind
+    temperature: F32 = array_field("<f4")  # [O] > 0 for RANDOM
+    top_k: U32 = array_field("<u4")  # [O] 0 = off
+    top_p: F32 = array_field("<f4")  # [O] in (0, 1], 1 = off
+    min_p: F32 = array_field("<f4")  # [O] in [0, 1), 0 = off
+    seed: I64 = array_field("<i8")  # [O] -1 = unseeded; else the draw depends on (seed, position)
+    probe: U8 = array_field("<u1")  # [O] Probe flags
+    probe_k: U32 = array_field("<u4")  # [O] top-k size for LOGPROBS
+    logit_mask_index: I32 = array_field("<i4")  # [O] -1 = unconstrained, else a row of logit_masks
+    logit_masks: U32 = array_field("<u4")  # [K * ceil(V/32)], bit j of word i = token 32i+j
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.context_ids)
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.out_rows)
+
+
+@dataclass(slots=True)
+class ForwardResult(Message):
+    """Reply to `Forward`: one entry per output row, in the order of `Forward.out_rows`."""
+
+    TAG: ClassVar[str] = "forward_result"
+    IS_REPLY: ClassVar[bool] = True
+    id: int = scalar_field("int", 0, "u64")
+    status: int = scalar_field("int", 0, "u32")
+    tokens: I32 = array_field("<i4")  # [O] sampled token
+    logprobs: F32 = array_field("<f4", logprobs=True)  # [O] logprob of the sampled token (0 without LOGPROBS)
+    topk_indptr: U32 = array_field("<u4")  # [O+1]
+    topk_ids: U32 = array_field("<u4")
+    topk_logprobs: F32 = array_field("<f4", logprobs=True)
+    dist_indptr: U32 = array_field("<u4")  # [O+1], rows of vocab_size or 0
+    dists: F32 = array_field("<f4", logprobs=True)  # log-probabilities, -inf where masked
+
+
+# ---------------------------------------------------------------- commands
+
+
+@dataclass(slots=True)
+class Copy(Message):
+    """Copy whole KV pages: src_pages[i] -> dst_pages[i]. Destinations are distinct and no
+    destination is also a source."""
+
+    TAG: ClassVar[str] = "copy"
+    id: int = scalar_field("int", 0, "u64")
+    src_pages: U32 = array_field("<u4")
+    dst_pages: U32 = array_field("<u4")
+
+
+@dataclass(slots=True)
+class Adapter(Message):
+    """Load (from a PEFT safetensors directory at `path`) or unload a LoRA adapter by id."""
+
+    TAG: ClassVar[str] = "adapter"
+    id: int = scalar_field("int", 0, "u64")
+    op: str = scalar_field("str", "load")  # "load" | "unload"
+    adapter_id: int = scalar_field("int", 0, "u32")
+    path: str = scalar_field("str", "")
+
+
+@dataclass(slots=True)
+class Health(Message):
+    TAG: ClassVar[str] = "health"
+    id: int = scalar_field("int", 0, "u64")
+
+
+@dataclass(slots=True)
+class Shutdown(Message):
+    """Ask the driver to reply and exit cleanly."""
+
+    TAG: ClassVar[str] = "shutdown"
+    id: int = scalar_field("int", 0, "u64")
+
+
+# ---------------------------------------------------------------- replies
+
+
+@dataclass(slots=True)
+class Ack(Message):
+    """Success reply to `Copy`, `Adapter` and `Shutdown`."""
+
+    TAG: ClassVar[str] = "ack"
+    IS_REPLY: ClassVar[bool] = True
+    id: int = scalar_field("int", 0, "u64")
+    status: int = scalar_field("int", 0, "u32")
+
+
+@dataclass(slots=True)
+class HealthReply(Message):
+    TAG: ClassVar[str] = "health_reply"
+    IS_REPLY: ClassVar[bool] = True
+    id: int = scalar_field("int", 0, "u64")
+    status: int = scalar_field("int", 0, "u32")
+    state: str = scalar_field("str", "ok")
+    stats: dict[str, int | float | str] = scalar_field("stats")
+
+
+@dataclass(slots=True)
+class ErrorReply(Message):
+    """The reply to any request that failed. `field` names the offending field when known;
+    `id` is 0 when the request was too broken to read its id."""
+
+    TAG: ClassVar[str] = "error"
+    IS_REPLY: ClassVar[bool] = True
+    id: int = scalar_field("int", 0, "u64")
+    status: int = scalar_field("int", int(Status.BAD_REQUEST), "u32")
+    code: str = scalar_field("str", "")
+    field: str = scalar_field("str", "")
+    message: str = scalar_field("str", "")
+
+
+MESSAGE_TYPES: tuple[type[Message], ...] = (
+    Hello,
+    Handshake,
+    Forward,
+    ForwardResult,
+    Copy,
+    Adapter,
+    Health,
+    Shutdown,
+    Ack,
+    HealthReply,
+    ErrorReply,
+)

@@ -1,0 +1,194 @@
+"""A driver that computes nothing and behaves like a real one in every other way.
+
+It samples each requested token uniformly among the tokens its logit mask allows (seeded rows
+reproducibly, from (seed, position); greedy rows from (input token, position), so a greedy
+request is deterministic), returns correctly shaped probe outputs of that uniform distribution,
+validates every request against its handshake, and acks `Copy`/`Adapter` as no-ops (it holds no
+KV memory and no weights, and its tokens do not depend on the cache, so success is faithful).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from bridge_schema.batch import logit_mask_words, unpack_allowed
+from bridge_schema.config_rules import check_prefix_match_unit
+from bridge_schema.errors import ConfigError
+from bridge_schema.messages import (
+    Adapter,
+    Copy,
+    Forward,
+    ForwardResult,
+    Handshake,
+    Hello,
+    Probe,
+    SamplerKind,
+)
+from bridge_schema.sampling import seeded_uniform
+from drivers.errors import ConfigRejected, RequestRejected
+
+# The byte tokenizer's special tokens follow the 256 byte tokens.
+ENDOFTEXT, IM_START, IM_END, PAD = 256, 257, 258, 259
+NUM_BYTE_TOKENS = 256
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class DummyConfig:
+    vocab_size: int = 260
+    page_size: int = 16
+    num_pages: int = 4096
+    max_context: int = 32768
+    max_requests_per_pass: int = 256
+    max_tokens_per_pass: int = 32768
+    max_mask_bytes: int = 64 * 1024 * 1024
+    max_probe_k: int = 20
+    pass_latency_ms: float = 0.0
+    seed: int = 0
+
+
+class DummyDriver:
+    def __init__(self, config: DummyConfig = DummyConfig()) -> None:
+        if config.vocab_size < PAD + 1:
+            raise ValueError(f"vocab size must be at least {PAD + 1} (256 bytes + 4 special tokens)")
+        self.config = config
+        self.page_size = config.page_size
+        self.num_pages = config.num_pages
+        self._rng = np.random.default_rng(config.seed)
+        self._adapters: set[int] = set()
+        self.stats: dict[str, int | float | str] = {
+            "forwards": 0,
+            "requests": 0,
+            "tokens": 0,
+            "outputs": 0,
+            "copies": 0,
+            "pages_copied": 0,
+            "adapter_loads": 0,
+            "adapter_unloads": 0,
+        }
+
+    def handshake(self, hello: Hello) -> Handshake:
+        c = self.config
+        self.page_size = hello.page_size or c.page_size
+        self.num_pages = hello.num_pages or c.num_pages
+        try:
+            check_prefix_match_unit(hello.prefix_match_unit, self.page_size, hello.speculation_depth)
+        except ConfigError as exc:
+            raise ConfigRejected(exc.detail, exc.field) from None
+        return Handshake(
+            driver_kind="dummy",
+            model_name="dummy",
+            vocab_size=c.vocab_size,
+            page_size=self.page_size,
+            num_pages=self.num_pages,
+            max_context=c.max_context,
+            max_requests_per_pass=c.max_requests_per_pass,
+            max_tokens_per_pass=c.max_tokens_per_pass,
+            max_mask_bytes=c.max_mask_bytes,
+            max_probe_k=c.max_probe_k,
+            capabilities=["attention_mask", "logit_mask", "probes", "adapters", "copy"],
+            tokenizer_kind="bytes",
+            chat_template=CHATML_TEMPLATE,
+            stop_token_ids=np.array([IM_END, ENDOFTEXT], dtype=np.uint32),
+            control_token_ids=np.arange(NUM_BYTE_TOKENS, c.vocab_size, dtype=np.uint32),
+        )
+
+    def forward(self, f: Forward) -> ForwardResult:
+        if self.config.pass_latency_ms:
+            time.sleep(self.config.pass_latency_ms / 1000)
+        bad = [int(a) for a in f.adapter_ids if a >= 0 and int(a) not in self._adapters]
+        if bad:
+            raise RequestRejected(f"adapter {bad[0]} is not loaded", "adapter_ids")
+        vocab = self.config.vocab_size
+        o = f.num_outputs
+        # Global token row of each output: the request's first token index + its row.
+        request_of = np.repeat(np.arange(f.num_requests), np.diff(f.out_indptr.astype(np.int64)))
+        rows = f.token_indptr[request_of].astype(np.int64) + f.out_rows
+        positions = f.positions[rows]
+        draws = self._rng.random(o)
+        seeded = f.seed >= 0
+        draws[seeded] = seeded_uniform(f.seed[seeded], positions[seeded])
+        greedy = f.sampler == SamplerKind.GREEDY
+        draws[greedy] = seeded_uniform(f.tokens[rows][greedy], positions[greedy])
+
+        tokens = np.minimum((draws * vocab).astype(np.int64), vocab - 1).astype(np.int32)
+        logprobs = np.zeros(o, dtype=np.float32)
+        topk_counts = np.zeros(o, dtype=np.int64)
+        topk_ids: list[npt.NDArray[np.uint32]] = []
+        dists: list[npt.NDArray[np.float32]] = []
+        dist_counts = np.zeros(o, dtype=np.int64)
+        words = logit_mask_words(vocab)
+        # Only rows with a logit mask or a probe need work beyond the vectorised draw above.
+        for i in np.flatnonzero((f.logit_mask_index >= 0) | (f.probe != 0)).tolist():
+            mask_index = int(f.logit_mask_index[i])
+            probe = int(f.probe[i])
+            allowed: npt.NDArray[np.int64] | None = None
+            if mask_index >= 0:
+                bits = unpack_allowed(vocab, f.logit_masks[mask_index * words : (mask_index + 1) * words])
+                allowed = np.flatnonzero(bits)
+                if not len(allowed):
+                    raise RequestRejected(f"logit mask {mask_index} allows no token", "logit_masks")
+                tokens[i] = allowed[min(int(draws[i] * len(allowed)), len(allowed) - 1)]
+            if not probe:
+                continue
+            n_allowed = vocab if allowed is None else len(allowed)
+            lp = -math.log(n_allowed)
+            if probe & Probe.LOGPROBS:
+                logprobs[i] = lp
+                k = min(int(f.probe_k[i]), n_allowed)
+                ids = np.arange(k, dtype=np.uint32) if allowed is None else allowed[:k].astype(np.uint32)
+                topk_ids.append(ids)
+                topk_counts[i] = k
+            if probe & Probe.DISTRIBUTION:
+                dist = np.full(vocab, lp, dtype=np.float32)
+                if allowed is not None:
+                    dist[:] = -np.inf
+                    dist[allowed] = lp
+                dists.append(dist)
+                dist_counts[i] = vocab
+        topk = np.concatenate(topk_ids) if topk_ids else np.zeros(0, np.uint32)
+        s = self.stats
+        s["forwards"] = int(s["forwards"]) + 1
+        s["requests"] = int(s["requests"]) + f.num_requests
+        s["tokens"] = int(s["tokens"]) + len(f.tokens)
+        s["outputs"] = int(s["outputs"]) + o
+        return ForwardResult(
+            tokens=tokens,
+            logprobs=logprobs,
+            topk_indptr=_indptr(topk_counts),
+            topk_ids=topk,
+            topk_logprobs=np.repeat(logprobs, topk_counts),
+            dist_indptr=_indptr(dist_counts),
+            dists=np.concatenate(dists) if dists else np.zeros(0, np.float32),
+        )
+
+    def copy(self, c: Copy) -> None:
+        self.stats["copies"] = int(self.stats["copies"]) + 1
+        self.stats["pages_copied"] = int(self.stats["pages_copied"]) + len(c.src_pages)
+
+    def adapter(self, a: Adapter) -> None:
+        if a.op == "load":
+            self._adapters.add(a.adapter_id)
+            self.stats["adapter_loads"] = int(self.stats["adapter_loads"]) + 1
+        else:
+            if a.adapter_id not in self._adapters:
+                raise RequestRejected(f"adapter {a.adapter_id} is not loaded", "adapter_id")
+            self._adapters.discard(a.adapter_id)
+            self.stats["adapter_unloads"] = int(self.stats["adapter_unloads"]) + 1
+
+    def health(self) -> dict[str, int | float | str]:
+        return dict(self.stats)
+
+
+def _indptr(counts: npt.NDArray[np.int64]) -> npt.NDArray[np.uint32]:
+    out = np.zeros(len(counts) + 1, dtype=np.uint32)
+    np.cumsum(counts, out=out[1:])
+    return out

@@ -1,0 +1,83 @@
+"""The seam between the inferlet API (host functions, one thread per run) and the engine that
+owns pages, scheduling and the driver. Host modules call only this protocol; every method is
+blocking and thread-safe, and raises `host.errors.HostError` subclasses on failure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from bridge_schema.batch import OutputResult, OutputSpec
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    name: str
+    vocab_size: int
+    page_size: int
+    max_context: int
+    stop_token_ids: tuple[int, ...]
+    control_token_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class PassRequest:
+    """One forward pass of one context as an inferlet asks for it.
+
+    `positions` None means "continue the context": len(ctx), len(ctx)+1, ...
+    `mask_rows` holds BRLE runs per input row over the keys the pass covers (None = causal).
+    """
+
+    tokens: Sequence[int] | npt.NDArray[np.uint32]
+    positions: Sequence[int] | None = None
+    outputs: Sequence[OutputSpec] = ()
+    adapter_id: int = -1
+    mask_rows: Sequence[Sequence[int]] | None = None
+
+
+@dataclass(slots=True)
+class PassResult:
+    outputs: list[OutputResult] = field(default_factory=list)
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def apply_chat_template(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool) -> str: ...
+
+
+class Services(Protocol):
+    """What a run may ask of the engine. `run_id` scopes ownership: `end_run` frees everything
+    the run still holds (contexts, pages, adapters, staged speculation)."""
+
+    @property
+    def model(self) -> ModelInfo: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    def create_context(self, run_id: int) -> int: ...
+
+    def fork_context(self, run_id: int, context_id: int) -> int: ...
+
+    def context_length(self, run_id: int, context_id: int) -> int: ...
+
+    def truncate_context(self, run_id: int, context_id: int, length: int) -> None: ...
+
+    def release_context(self, run_id: int, context_id: int) -> None: ...
+
+    def forward(self, run_id: int, context_id: int, request: PassRequest) -> PassResult:
+        """Queue the pass, block until its batch returns. Input tokens become part of the
+        context (its length grows by len(tokens))."""
+        ...
+
+    def load_adapter(self, run_id: int, name: str) -> int: ...
+
+    def end_run(self, run_id: int) -> None: ...

@@ -1,0 +1,104 @@
+"""One fixed, valid instance of every message type, used by golden-bytes and fuzz tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bridge_schema.batch import OutputSpec, RequestSpec, Sampler, build_forward, pack_allowed
+from bridge_schema.limits import Limits
+from bridge_schema.messages import (
+    Ack,
+    Adapter,
+    Copy,
+    ErrorReply,
+    ForwardResult,
+    Handshake,
+    Health,
+    HealthReply,
+    Hello,
+    Message,
+    Probe,
+    Shutdown,
+)
+
+LIMITS = Limits(
+    vocab_size=260,
+    page_size=4,
+    num_pages=64,
+    max_context=1024,
+    max_requests_per_pass=16,
+    max_tokens_per_pass=256,
+    max_mask_bytes=1 << 20,
+    max_probe_k=8,
+)
+
+
+def sample_forward() -> Message:
+    return build_forward(
+        7,
+        [
+            RequestSpec(
+                context_id=3,
+                tokens=[10, 11, 12, 13, 14],
+                positions=[0, 1, 2, 3, 4],
+                pages=[5, 6],
+                last_page_len=1,
+                outputs=[OutputSpec(4, Sampler.random(0.7, top_k=40, top_p=0.9, min_p=0.05, seed=11))],
+            ),
+            RequestSpec(
+                context_id=4,
+                tokens=[20, 21],
+                positions=[8, 9],
+                pages=[1, 2, 3],
+                last_page_len=2,
+                adapter_id=2,
+                mask_rows=[[0, 10], [2, 8]],
+                outputs=[
+                    OutputSpec(0, probe=Probe.LOGPROBS, probe_k=3),
+                    OutputSpec(1, probe=Probe.DISTRIBUTION, logit_mask=pack_allowed(260, [1, 2, 3])),
+                ],
+            ),
+        ],
+    )
+
+
+def samples() -> dict[str, Message]:
+    return {
+        "hello": Hello(id=1, page_size=16, num_pages=128, prefix_match_unit=16, speculation_depth=1),
+        "handshake": Handshake(
+            id=1,
+            driver_kind="dummy",
+            model_name="dummy",
+            vocab_size=260,
+            page_size=16,
+            num_pages=128,
+            max_context=4096,
+            max_requests_per_pass=64,
+            max_tokens_per_pass=1024,
+            max_mask_bytes=4096,
+            max_probe_k=20,
+            capabilities=["logit_mask", "copy"],
+            tokenizer_kind="bytes",
+            chat_template="{{ messages }}",
+            stop_token_ids=np.array([258], np.uint32),
+            control_token_ids=np.array([256, 257, 258, 259], np.uint32),
+        ),
+        "forward": sample_forward(),
+        "forward_result": ForwardResult(
+            id=7,
+            tokens=np.array([5, 6, 1], np.int32),
+            logprobs=np.array([0.0, -1.5, 0.0], np.float32),
+            topk_indptr=np.array([0, 0, 2, 2], np.uint32),
+            topk_ids=np.array([6, 9], np.uint32),
+            topk_logprobs=np.array([-1.5, -2.0], np.float32),
+            dist_indptr=np.array([0, 0, 0, 4], np.uint32),
+            dists=np.array([-np.inf, -1.0, -1.0, -1.0], np.float32),
+        ),
+        "copy": Copy(id=9, src_pages=np.array([1, 2], np.uint32), dst_pages=np.array([7, 8], np.uint32)),
+        "adapter": Adapter(id=10, op="load", adapter_id=3, path="/adapters/a"),
+        "health": Health(id=11),
+        "shutdown": Shutdown(id=12),
+        "ack": Ack(id=9),
+        "health_reply": HealthReply(id=11, stats={"forwards": 3, "state": "ok", "load": 0.5}),
+        "error": ErrorReply(id=13, status=2, code="range", field="forward.tokens", message="too big"),
+    }

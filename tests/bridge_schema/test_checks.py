@@ -1,0 +1,172 @@
+"""Each contract violation raises one `SchemaError` subclass naming the field."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+from bridge_schema.batch import OutputSpec, RequestSpec, Sampler, build_forward
+from bridge_schema.codec import decode, encode, unpack
+from bridge_schema.errors import (
+    FieldError,
+    FrameError,
+    RangeError,
+    SchemaError,
+    ShapeError,
+    UnknownMessage,
+    VersionMismatch,
+)
+from bridge_schema.framing import frame, payload_length
+from bridge_schema.messages import Copy, Forward
+from tests.bridge_schema.samples import LIMITS, sample_forward
+
+
+def _raw(message: Any) -> dict[str, Any]:
+    return unpack(encode(message))
+
+
+def _pack(obj: dict[str, Any]) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def _with(**changes: Any) -> Forward:
+    f = sample_forward()
+    assert isinstance(f, Forward)
+    return dataclasses.replace(f, **changes)
+
+
+def _expect(exc: type[SchemaError], field: str, message: Any) -> None:
+    with pytest.raises(exc) as info:
+        decode(encode(message), LIMITS)
+    assert info.value.field.endswith(field), info.value
+
+
+def test_unknown_message_type() -> None:
+    raw = _raw(sample_forward())
+    raw["t"] = "teleport"
+    with pytest.raises(UnknownMessage, match="teleport"):
+        decode(_pack(raw))
+
+
+def test_wrong_version() -> None:
+    raw = _raw(sample_forward())
+    raw["v"] = 999
+    with pytest.raises(VersionMismatch, match="999"):
+        decode(_pack(raw))
+
+
+def test_missing_field_is_named() -> None:
+    raw = _raw(sample_forward())
+    del raw["positions"]
+    with pytest.raises(FieldError) as info:
+        decode(_pack(raw))
+    assert info.value.field == "forward.positions"
+
+
+def test_unknown_field_is_named() -> None:
+    raw = _raw(sample_forward())
+    raw["turbo"] = 1
+    with pytest.raises(FieldError, match="turbo"):
+        decode(_pack(raw))
+
+
+def test_mistyped_field_is_named() -> None:
+    raw = _raw(sample_forward())
+    raw["tokens"] = [1, 2, 3]  # a msgpack list, not a binary array
+    with pytest.raises(FieldError) as info:
+        decode(_pack(raw))
+    assert info.value.field == "forward.tokens"
+
+
+def test_array_with_partial_item() -> None:
+    raw = _raw(sample_forward())
+    raw["tokens"] = b"\x01\x02\x03"
+    with pytest.raises(FieldError, match="whole number"):
+        decode(_pack(raw))
+
+
+def test_indptr_not_monotone() -> None:
+    _expect(ShapeError, "token_indptr", _with(token_indptr=np.array([0, 5, 4, 7], np.uint32)))
+
+
+def test_indptr_does_not_match_data() -> None:
+    _expect(ShapeError, "token_indptr", _with(token_indptr=np.array([0, 5, 8], np.uint32)))
+
+
+def test_page_out_of_range() -> None:
+    _expect(RangeError, "pages", _with(pages=np.array([5, 6, 1, 2, 64], np.uint32)))
+
+
+def test_token_out_of_range() -> None:
+    _expect(RangeError, "tokens", _with(tokens=np.array([10, 11, 12, 13, 14, 20, 260], np.uint32)))
+
+
+def test_too_few_kv_slots_for_tokens() -> None:
+    _expect(
+        ShapeError,
+        "pages",
+        _with(
+            last_page_len=np.array([1, 1], np.uint32),
+            page_indptr=np.array([0, 1, 4], np.uint32),
+            pages=np.array([5, 1, 2, 3], np.uint32),
+        ),
+    )
+
+
+def test_mask_row_shorter_than_keys() -> None:
+    _expect(ShapeError, "mask_runs", _with(mask_runs=np.array([0, 9, 2, 8], np.uint32)))
+
+
+def test_mask_rows_must_cover_every_token() -> None:
+    _expect(
+        ShapeError,
+        "mask_req_indptr",
+        _with(
+            mask_req_indptr=np.array([0, 0, 1], np.uint32),
+            mask_row_indptr=np.array([0, 2], np.uint32),
+            mask_runs=np.array([0, 10], np.uint32),
+        ),
+    )
+
+
+def test_output_row_past_tokens() -> None:
+    _expect(RangeError, "out_rows", _with(out_rows=np.array([5, 0, 1], np.uint32)))
+
+
+def test_random_sampler_needs_positive_temperature() -> None:
+    _expect(RangeError, "temperature", _with(temperature=np.array([0.0, 1.0, 1.0], np.float32)))
+
+
+def test_nan_is_rejected() -> None:
+    _expect(RangeError, "top_p", _with(top_p=np.array([np.nan, 1.0, 1.0], np.float32)))
+
+
+def test_logit_mask_index_past_masks() -> None:
+    _expect(RangeError, "logit_mask_index", _with(logit_mask_index=np.array([-1, 1, 0], np.int32)))
+
+
+def test_too_many_requests_for_the_driver() -> None:
+    specs = [RequestSpec(i, [1], [0], [i], 1, [OutputSpec(0, Sampler.greedy())]) for i in range(17)]
+    _expect(RangeError, "context_ids", build_forward(1, specs))
+
+
+def test_copy_with_overlapping_pages() -> None:
+    with pytest.raises(ShapeError, match="also a source"):
+        decode(encode(Copy(src_pages=np.array([1, 2], np.uint32), dst_pages=np.array([2, 3], np.uint32))))
+
+
+def test_oversized_frame_is_rejected_by_its_header() -> None:
+    with pytest.raises(FrameError, match="exceeds"):
+        payload_length(frame(b"x" * 100)[:4], max_frame_bytes=99)
+    with pytest.raises(FrameError):
+        frame(b"x" * 100, max_frame_bytes=99)
+
+
+@pytest.mark.parametrize("payload", [b"", b"\xc1", b"\x92\x01\x02", b"\x81\xa1t\xa5hello\x00", b"\xd4\x01\x00"])
+def test_garbage_payloads(payload: bytes) -> None:
+    with pytest.raises(SchemaError):
+        decode(payload)

@@ -6,8 +6,8 @@ bytes through memory object streams; messages are still encoded and decoded on b
 
 from __future__ import annotations
 
-import math
 import importlib.util
+import math
 from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
@@ -21,7 +21,6 @@ from bridge_schema.errors import ConnectionClosed, FieldError, FrameError, Trans
 from bridge_schema.framing import DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES, frame, payload_length
 from bridge_schema.limits import Limits
 from bridge_schema.messages import Message
-
 
 T = TypeVar("T")
 _HAS_UVLOOP = importlib.util.find_spec("uvloop") is not None

@@ -37,24 +37,23 @@ _PER_OUTPUT = (
 )
 
 
-def _counts(name: str, indptr: npt.NDArray[np.uint32], segments: int, data_len: int) -> npt.NDArray[np.int64]:
-    """Validate a CSR indptr and return the per-segment counts."""
+def _counts(
+    name: str, indptr: npt.NDArray[np.uint32], segments: int, data_len: int, min_count: int = 0
+) -> npt.NDArray[np.int64]:
+    """Validate a CSR indptr and return the per-segment counts (each at least `min_count`)."""
     if len(indptr) != segments + 1:
         raise ShapeError(f"has {len(indptr)} entries, expected {segments + 1}", name)
     if indptr[0] != 0:
         raise ShapeError(f"must start at 0, starts at {int(indptr[0])}", name)
     wide = indptr.astype(np.int64)
     counts: npt.NDArray[np.int64] = wide[1:] - wide[:-1]
-    if segments and counts.min() < 0:
-        raise ShapeError("is not monotone", name)
+    if segments and counts.min() < min_count:
+        if counts.min() < 0:
+            raise ShapeError("is not monotone", name)
+        raise ShapeError(f"segment {int(np.argmin(counts))} is empty", name)
     if int(indptr[-1]) != data_len:
         raise ShapeError(f"ends at {int(indptr[-1])} but its data has {data_len} entries", name)
     return counts
-
-
-def _nonempty(name: str, counts: npt.NDArray[np.int64]) -> None:
-    if len(counts) and counts.min() < 1:
-        raise ShapeError(f"request {int(np.argmin(counts))} has none", name)
 
 
 def check_forward(f: Forward, limits: Limits | None) -> None:
@@ -65,12 +64,10 @@ def check_forward(f: Forward, limits: Limits | None) -> None:
         raise ShapeError(f"has {len(f.adapter_ids)} entries for {r} requests", "adapter_ids")
     if f.adapter_ids.min() < -1:
         raise RangeError("adapter ids are >= 0, or -1 for the base model", "adapter_ids")
-    n_tokens = _counts("token_indptr", f.token_indptr, r, len(f.tokens))
-    _nonempty("token_indptr", n_tokens)
+    n_tokens = _counts("token_indptr", f.token_indptr, r, len(f.tokens), min_count=1)
     if len(f.positions) != len(f.tokens):
         raise ShapeError(f"has {len(f.positions)} entries for {len(f.tokens)} tokens", "positions")
-    n_pages = _counts("page_indptr", f.page_indptr, r, len(f.pages))
-    _nonempty("page_indptr", n_pages)
+    n_pages = _counts("page_indptr", f.page_indptr, r, len(f.pages), min_count=1)
     if len(f.last_page_len) != r:
         raise ShapeError(f"has {len(f.last_page_len)} entries for {r} requests", "last_page_len")
     if f.last_page_len.min() < 1:

@@ -50,11 +50,13 @@ class StreamConnection:
     def __init__(self, stream: anyio.abc.ByteStream, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         self._stream = stream
         self._reader = BufferedByteReceiveStream(stream)
+        self._send_lock = anyio.Lock()  # socket streams refuse two concurrent writers
         self.max_frame_bytes = max_frame_bytes
 
     async def send_payload(self, payload: bytes) -> None:
         try:
-            await self._stream.send(frame(payload, self.max_frame_bytes))
+            async with self._send_lock:
+                await self._stream.send(frame(payload, self.max_frame_bytes))
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
             raise ConnectionClosed(f"send failed: {exc}") from None
 

@@ -1,61 +1,6 @@
 """`python -m drivers.dummy --listen unix:PATH` serves the dummy driver."""
 
-from __future__ import annotations
-
-import argparse
-
-from drivers.dummy.driver import DummyConfig, DummyDriver
-from drivers.serve import add_serve_arguments, configure_logging, serve_forever
-
-
-def build_parser(listen_required: bool = True) -> argparse.ArgumentParser:
-    defaults = DummyConfig()
-    parser = argparse.ArgumentParser(prog="python -m drivers.dummy", description="wafer's dummy driver")
-    add_serve_arguments(parser, listen_required)
-    parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
-    parser.add_argument("--page-size", type=int, default=defaults.page_size)
-    parser.add_argument("--num-pages", type=int, default=defaults.num_pages)
-    parser.add_argument("--max-context", type=int, default=defaults.max_context)
-    parser.add_argument("--max-requests-per-pass", type=int, default=defaults.max_requests_per_pass)
-    parser.add_argument("--max-tokens-per-pass", type=int, default=defaults.max_tokens_per_pass)
-    parser.add_argument("--pass-latency-ms", type=float, default=0.0, help="simulated time per pass")
-    parser.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
-    return parser
-
-
-def create_driver(argv: list[str]) -> DummyDriver:
-    """The driver these command-line arguments describe (used in-process by loopback)."""
-    parser = build_parser(listen_required=False)
-    args = parser.parse_args(argv)
-    try:
-        return DummyDriver(_config(args))
-    except ValueError as exc:
-        parser.error(str(exc))
-
-
-def _config(args: argparse.Namespace) -> DummyConfig:
-    return DummyConfig(
-        vocab_size=args.vocab_size,
-        page_size=args.page_size,
-        num_pages=args.num_pages,
-        max_context=args.max_context,
-        max_requests_per_pass=args.max_requests_per_pass,
-        max_tokens_per_pass=args.max_tokens_per_pass,
-        pass_latency_ms=args.pass_latency_ms,
-        seed=args.seed,
-    )
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    configure_logging(args.log_level)
-    try:
-        driver = DummyDriver(_config(args))
-    except ValueError as exc:
-        parser.error(str(exc))
-    serve_forever(driver, args.listen, args.max_frame_bytes)
-
+from drivers.dummy.cli import main
 
 if __name__ == "__main__":
     main()

@@ -115,9 +115,11 @@ class DummyDriver:
         positions = f.positions[rows]
         draws = self._rng.random(o)
         seeded = f.seed >= 0
-        draws[seeded] = seeded_uniform(f.seed[seeded], positions[seeded])
+        if seeded.any():
+            draws[seeded] = seeded_uniform(f.seed[seeded], positions[seeded])
         greedy = f.sampler == SamplerKind.GREEDY
-        draws[greedy] = seeded_uniform(f.tokens[rows][greedy], positions[greedy])
+        if greedy.any():
+            draws[greedy] = seeded_uniform(f.tokens[rows][greedy], positions[greedy])
 
         tokens = np.minimum((draws * vocab).astype(np.int64), vocab - 1).astype(np.int32)
         logprobs = np.zeros(o, dtype=np.float32)
@@ -127,7 +129,8 @@ class DummyDriver:
         dist_counts = np.zeros(o, dtype=np.int64)
         words = logit_mask_words(vocab)
         # Only rows with a logit mask or a probe need work beyond the vectorised draw above.
-        for i in np.flatnonzero((f.logit_mask_index >= 0) | (f.probe != 0)).tolist():
+        special = np.flatnonzero((f.logit_mask_index >= 0) | (f.probe != 0)).tolist() if o else []
+        for i in special:
             mask_index = int(f.logit_mask_index[i])
             probe = int(f.probe[i])
             allowed: npt.NDArray[np.int64] | None = None

@@ -14,7 +14,7 @@ from bridge_schema.codec import decode
 from bridge_schema.errors import ConnectionClosed, FieldError
 from bridge_schema.messages import ErrorReply, ForwardResult, Hello
 from bridge_schema.transport import connect, loopback_pair, parse_address
-from drivers.dummy.__main__ import create_driver
+from drivers.dummy import create_driver
 from drivers.serve import serve, serve_loopback
 
 pytestmark = pytest.mark.anyio

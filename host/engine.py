@@ -1,0 +1,495 @@
+"""The engine: implements `host.services.Services` over the page table, the scheduler and one
+driver link. Run threads call it (blocking); an anyio event loop on a background thread owns the
+bridge client, builds passes and routes results back to the waiting run threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+
+import anyio
+import anyio.abc
+import numpy as np
+
+from bridge_schema.batch import build_forward, split_result
+from bridge_schema.config_rules import check_prefix_match_unit
+from bridge_schema.errors import BridgeError, ConfigError, RemoteError
+from bridge_schema.messages import (
+    Ack,
+    Adapter,
+    Copy,
+    ForwardResult,
+    Handshake,
+    Health,
+    HealthReply,
+    Hello,
+)
+from host.driver_link import DriverLink, DriverSpec, open_link
+from host.errors import (
+    ContextNotFound,
+    ContextNotOwned,
+    DriverFailed,
+    EngineClosed,
+    HostError,
+    InvalidRequest,
+    RunEnded,
+)
+from host.pages import PageCopy, PageTable, copy_groups
+from host.pass_check import check_request
+from host.scheduler import Batch, PassLimits, PendingPass, Scheduler
+from host.services import ModelInfo, PassRequest, PassResult, Tokenizer
+from host.tokenizer import tokenizer_from_handshake
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Two passes in flight: the driver works on one while the next is built and sent.
+MAX_PASSES_IN_FLIGHT = 2
+
+
+class Engine:
+    """Use `Engine.start(...)`; `close()` (or a `with` block) stops the loop and the driver."""
+
+    def __init__(self, spec: DriverSpec, adapter_dir: str = "", max_fill_chunk_tokens: int = 0) -> None:
+        self._spec = spec
+        self._adapter_dir = adapter_dir
+        self._max_fill_chunk_tokens = max_fill_chunk_tokens
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._broken: HostError | None = None  # set once the link is gone: every call fails with it
+        self._is_closing = False
+        self._is_close_requested = False
+        self._context_ids = itertools.count(1)
+        self._tickets = itertools.count(1)
+        self._owner: dict[int, int] = {}  # context -> run
+        self._futures: dict[int, concurrent.futures.Future[PassResult]] = {}  # ticket -> waiter
+        self._pending_copies: list[PageCopy] = []
+        self._adapters: dict[str, int] = {}  # name -> driver adapter id (kept loaded)
+        self._run_adapters: dict[int, set[int]] = {}
+        self._adapter_lock = threading.Lock()
+        self._num_in_flight = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._link: DriverLink | None = None
+        self._thread = threading.Thread(target=self._thread_main, name="wafer-engine", daemon=True)
+
+    @classmethod
+    def start(
+        cls,
+        driver: str = "dummy",
+        driver_args: Sequence[str] = (),
+        *,
+        driver_module: str = "",
+        page_size: int = 0,
+        num_pages: int = 0,
+        prefix_match_unit: int = 0,
+        speculation_depth: int = 0,
+        adapter_dir: str = "",
+        max_fill_chunk_tokens: int = 0,
+        startup_timeout_s: float = 60.0,
+    ) -> Engine:
+        """Start (or connect to) the driver and wait for its handshake. `driver`: "dummy" or
+        "torch" (a subprocess on a Unix socket), "loopback" (in-process), "unix:PATH" or
+        "tcp:HOST:PORT". `page_size`/`num_pages` 0 take the driver's defaults."""
+        hello = Hello(
+            page_size=page_size,
+            num_pages=num_pages,
+            prefix_match_unit=prefix_match_unit,
+            speculation_depth=speculation_depth,
+        )
+        spec = DriverSpec(driver, tuple(driver_args), driver_module, startup_timeout_s, hello)
+        spec.kind  # noqa: B018 - validates the driver name before a thread starts
+        engine = cls(spec, adapter_dir, max_fill_chunk_tokens)
+        engine._thread.start()
+        engine._ready.wait()
+        if engine._startup_error is not None:
+            engine._thread.join()
+            error = engine._startup_error
+            raise error if isinstance(error, HostError) else DriverFailed(f"driver start failed: {error}")
+        return engine
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Fail waiting passes with `EngineClosed`, shut the driver down, stop the loop."""
+        with self._lock:
+            if self._is_close_requested:
+                return
+            self._is_close_requested = self._is_closing = True
+        self._wake_loop()
+        self._thread.join()
+
+    # ------------------------------------------------------------------ Services: model
+
+    @property
+    def handshake(self) -> Handshake:
+        return self._handshake
+
+    @property
+    def model(self) -> ModelInfo:
+        return self._model
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    # ------------------------------------------------------------------ Services: contexts
+
+    def create_context(self, run_id: int) -> int:
+        with self._lock:
+            self._check_usable()
+            context_id = next(self._context_ids)
+            self._pages.create(context_id)
+            self._owner[context_id] = run_id
+            return context_id
+
+    def fork_context(self, run_id: int, context_id: int) -> int:
+        with self._lock:
+            self._check_usable()
+            self._check_idle(run_id, context_id, "fork")
+            child = next(self._context_ids)
+            # The partial page's Copy goes out before the next pass (the loop sends copies first).
+            self._pending_copies += self._pages.fork(context_id, child)
+            self._owner[child] = run_id
+        self._wake_loop()
+        return child
+
+    def context_length(self, run_id: int, context_id: int) -> int:
+        with self._lock:
+            self._check_owner(run_id, context_id)
+            return self._pages.length(context_id)
+
+    def truncate_context(self, run_id: int, context_id: int, length: int) -> None:
+        with self._lock:
+            self._check_idle(run_id, context_id, "truncate")
+            self._pages.truncate(context_id, length)
+
+    def release_context(self, run_id: int, context_id: int) -> None:
+        with self._lock:
+            self._check_owner(run_id, context_id)
+            self._drop_context(context_id, RunEnded(f"context {context_id} was released while its pass waited"))
+
+    def end_run(self, run_id: int) -> None:
+        with self._lock:
+            for context_id in [c for c, r in self._owner.items() if r == run_id]:
+                self._drop_context(context_id, RunEnded(f"run {run_id} ended while its pass waited"))
+            self._run_adapters.pop(run_id, None)
+
+    # ------------------------------------------------------------------ Services: passes
+
+    def forward(self, run_id: int, context_id: int, request: PassRequest) -> PassResult:
+        future: concurrent.futures.Future[PassResult] = concurrent.futures.Future()
+        with self._lock:
+            self._check_usable()
+            self._check_owner(run_id, context_id)
+            kv_start = self._pages.length(context_id)
+            checked = check_request(request, kv_start, self._handshake, self._run_adapters.get(run_id, set()))
+            self._pending_copies += self._pages.extend(context_id, len(checked.tokens))  # may raise OutOfPages
+            item = PendingPass(
+                ticket=next(self._tickets),
+                run_id=run_id,
+                context_id=context_id,
+                tokens=checked.tokens,
+                positions=checked.positions,
+                pages=self._pages.pages(context_id),
+                kv_start=kv_start,
+                outputs=checked.outputs,
+                adapter_id=request.adapter_id,
+                mask_rows=checked.mask_rows,
+            )
+            self._futures[item.ticket] = future
+            self._enqueue(item)
+        self._wake_loop()
+        return future.result()
+
+    def load_adapter(self, run_id: int, name: str) -> int:
+        """Adapters stay loaded on the driver once loaded (a cache shared by runs); `end_run`
+        drops the run's right to use them."""
+        if not name or "\x00" in name:
+            raise InvalidRequest(f"bad adapter name {name!r}")
+        with self._adapter_lock:
+            adapter_id = self._adapters.get(name)
+            if adapter_id is None:
+                adapter_id = len(self._adapters)
+                path = name if os.path.isabs(name) or not self._adapter_dir else os.path.join(self._adapter_dir, name)
+                message = Adapter(op="load", adapter_id=adapter_id, path=path)
+                self._call_in_loop(lambda link: link.request(message, Ack), f"loading adapter {name!r}")
+                self._adapters[name] = adapter_id
+        with self._lock:
+            self._run_adapters.setdefault(run_id, set()).add(adapter_id)
+        return adapter_id
+
+    # ------------------------------------------------------------------ inspection (tests, daemon)
+
+    @property
+    def num_free_pages(self) -> int:
+        with self._lock:
+            return self._pages.num_free
+
+    def context_pages(self, context_id: int) -> tuple[int, ...]:
+        with self._lock:
+            return self._pages.pages(context_id)
+
+    def page_refcount(self, page: int) -> int:
+        with self._lock:
+            return self._pages.refcount(page)
+
+    def driver_health(self) -> dict[str, int | float | str]:
+        reply = self._call_in_loop(lambda link: link.request(Health(), HealthReply), "health check")
+        return dict(reply.stats)
+
+    # ------------------------------------------------------------------ the speculator's seam
+
+    def _enqueue(self, item: PendingPass) -> None:
+        """Where a checked pass enters batching (lock held). The speculator (issue 4) sits here
+        and in `_on_finished`: it answers a matching item from a staged entry, or drops that
+        context's chain and lets the item through to the scheduler."""
+        self._scheduler.submit(item)
+
+    def _on_finished(self, finished: list[PendingPass]) -> None:
+        """Passes whose results just came back (lock held). The speculator will stage each plain
+        decode's next step here; without it the results go straight to their waiters."""
+        for item in finished:
+            future = self._futures.pop(item.ticket, None)
+            if future is not None:
+                future.set_result(PassResult(outputs=item.results))
+
+    # ------------------------------------------------------------------ run-thread helpers
+
+    def _check_usable(self) -> None:
+        if self._is_close_requested:
+            raise EngineClosed()
+        if self._broken is not None:
+            raise self._broken
+        if self._is_closing:
+            raise EngineClosed()
+
+    def _check_owner(self, run_id: int, context_id: int) -> None:
+        owner = self._owner.get(context_id)
+        if owner is None:
+            raise ContextNotFound(context_id)
+        if owner != run_id:
+            raise ContextNotOwned(context_id, run_id)
+
+    def _check_idle(self, run_id: int, context_id: int, what: str) -> None:
+        """Fork and truncate need the context's KV settled: its pending pass's pages would
+        otherwise be copied before they are written, or freed under it."""
+        self._check_owner(run_id, context_id)
+        if self._scheduler.has_pending(context_id):
+            raise InvalidRequest(f"cannot {what} context {context_id} while a forward pass on it is pending")
+
+    def _drop_context(self, context_id: int, reason: HostError) -> None:
+        for item in self._scheduler.cancel(lambda p: p.context_id == context_id):
+            self._fail_item(item, reason)
+        self._pages.release(context_id)
+        del self._owner[context_id]
+
+    def _fail_item(self, item: PendingPass, error: HostError) -> None:
+        """Fail the waiter and give back the slots the pass had reserved (lock held)."""
+        future = self._futures.pop(item.ticket, None)
+        if future is not None:
+            future.set_exception(error)
+        end = item.kv_start + len(item.tokens)
+        if self._pages.has(item.context_id) and self._pages.length(item.context_id) == end:
+            self._pages.truncate(item.context_id, item.kv_start)
+
+    def _wake_loop(self) -> None:
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None:
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:
+                pass  # the loop already stopped; close() and the loop's exit fail every waiter
+
+    def _wake_here(self) -> None:
+        """`_wake_loop` from the loop thread itself: no self-pipe write needed."""
+        assert self._wake is not None
+        self._wake.set()
+
+    def _call_in_loop(self, make: Callable[[DriverLink], Coroutine[Any, Any, T]], what: str) -> T:
+        """Run a bridge request on the loop from a run thread and wait for its reply."""
+        with self._lock:
+            self._check_usable()
+        assert self._loop is not None and self._link is not None
+        try:
+            return asyncio.run_coroutine_threadsafe(make(self._link), self._loop).result()
+        except RemoteError as exc:
+            raise DriverFailed(f"{what} failed: {exc}", exc.status, exc.code) from None
+        except (BridgeError, concurrent.futures.CancelledError) as exc:
+            raise DriverFailed(f"{what} failed: the driver link is gone ({exc})") from None
+
+    # ------------------------------------------------------------------ the loop thread
+
+    def _thread_main(self) -> None:
+        try:
+            anyio.run(self._main, backend="asyncio")
+        except BaseException as caught:  # reported to start() or to every waiter
+            exc = _first_host_error(caught)
+            if not self._ready.is_set():
+                self._startup_error = exc
+            else:
+                log.exception("engine loop failed")
+                with self._lock:
+                    self._broken = self._broken or DriverFailed(f"engine loop failed: {exc}")
+        finally:
+            with self._lock:
+                self._is_closing = True
+                error = self._broken or EngineClosed("the engine closed while the pass waited")
+                for future in self._futures.values():
+                    future.set_exception(error)
+                self._futures.clear()
+            self._ready.set()
+
+    async def _main(self) -> None:
+        async with open_link(self._spec) as link:
+            self._on_handshake(link.handshake)
+            self._link = link
+            self._loop = asyncio.get_running_loop()
+            self._wake = asyncio.Event()
+            self._ready.set()
+            async with anyio.create_task_group() as tg:
+                await self._schedule_loop(link, tg)
+                tg.cancel_scope.cancel()
+
+    def _on_handshake(self, h: Handshake) -> None:
+        if h.page_size <= 0 or h.num_pages <= 0 or h.vocab_size <= 0:
+            raise DriverFailed(f"driver handshake has no usable page pool or vocabulary: {h}")
+        try:  # the same rule the driver ran on Hello, now against the page size it resolved
+            hello = self._spec.hello
+            check_prefix_match_unit(hello.prefix_match_unit, h.page_size, hello.speculation_depth)
+        except ConfigError as exc:
+            raise InvalidRequest(f"configuration rejected after the handshake: {exc}") from None
+        self._handshake = h
+        self._tokenizer: Tokenizer = tokenizer_from_handshake(h)
+        self._model = ModelInfo(
+            name=h.model_name,
+            vocab_size=h.vocab_size,
+            page_size=h.page_size,
+            max_context=h.max_context,
+            stop_token_ids=tuple(int(t) for t in h.stop_token_ids),
+            control_token_ids=tuple(int(t) for t in h.control_token_ids),
+        )
+        self._pages = PageTable(h.num_pages, h.page_size)
+        limits = PassLimits(
+            max_requests_per_pass=h.max_requests_per_pass,
+            max_tokens_per_pass=h.max_tokens_per_pass,
+            max_mask_bytes=h.max_mask_bytes,
+            vocab_size=h.vocab_size,
+            max_fill_chunk_tokens=self._max_fill_chunk_tokens,
+        )
+        self._scheduler = Scheduler(limits, h.page_size)
+
+    async def _schedule_loop(self, link: DriverLink, tg: anyio.abc.TaskGroup) -> None:
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self._is_closing or self._broken is not None:
+                return
+            while True:
+                with self._lock:
+                    copies, self._pending_copies = self._pending_copies, []
+                    batch = None
+                    if self._num_in_flight < MAX_PASSES_IN_FLIGHT:
+                        batch = self._scheduler.next_batch()
+                        if batch is None and self._num_in_flight == 0:
+                            self._fail_unschedulable()
+                    if batch is not None:
+                        self._num_in_flight += 1
+                if copies:
+                    # Sent before the batch on the same connection: the driver handles frames in order.
+                    for group in copy_groups(copies):
+                        message = Copy(
+                            src_pages=np.array([c.src for c in group], np.uint32),
+                            dst_pages=np.array([c.dst for c in group], np.uint32),
+                        )
+                        try:
+                            tg.start_soon(self._check_copy, await link.submit(message), link)
+                        except BridgeError as exc:
+                            self._link_lost(DriverFailed(f"sending a page copy to the driver failed: {exc}"))
+                            return
+                if batch is None:
+                    break
+                forward = build_forward(0, batch.specs())
+                try:
+                    waiter = await link.submit(forward)
+                except BridgeError as exc:
+                    self._batch_failed(batch, DriverFailed(f"sending a pass to the driver failed: {exc}"), True)
+                    return
+                tg.start_soon(self._await_batch, link, batch, forward, waiter)
+
+    def _fail_unschedulable(self) -> None:
+        """Nothing in flight and nothing fits: fail what waits rather than let it wait forever
+        (request checks make this unreachable; this is the guard against a hang)."""
+        if self._scheduler.has_work():
+            for item in self._scheduler.cancel(lambda p: True):
+                self._fail_item(item, InvalidRequest("the pass does not fit the driver's per-pass limits"))
+
+    async def _check_copy(self, waiter: Any, link: DriverLink) -> None:
+        try:
+            await link.client.wait(waiter, Ack)
+        except BridgeError as exc:
+            # Contexts would read pages that were never copied: nothing after this is trustworthy.
+            log.error("page copy failed: %s", exc)
+            with self._lock:
+                self._broken = self._broken or DriverFailed(f"the driver failed a page copy: {exc}")
+            self._wake_here()
+
+    async def _await_batch(self, link: DriverLink, batch: Batch, forward: Any, waiter: Any) -> None:
+        try:
+            result = await link.client.wait(waiter, ForwardResult)
+        except RemoteError as exc:
+            if len(batch.chunks) > 1:
+                # Which request is bad is unknown: retry each alone so only that one fails.
+                with self._lock:
+                    self._num_in_flight -= 1
+                    self._scheduler.isolate(batch)
+            else:
+                error = DriverFailed(f"the driver rejected a pass: {exc}", exc.status, exc.code)
+                self._batch_failed(batch, error, False)
+        except BridgeError as exc:
+            self._batch_failed(batch, DriverFailed(f"the driver link failed during a pass: {exc}"), True)
+        else:
+            outputs = split_result(forward, result)
+            with self._lock:
+                self._num_in_flight -= 1
+                self._on_finished(self._scheduler.complete(batch, outputs))
+        self._wake_here()
+
+    def _batch_failed(self, batch: Batch, error: DriverFailed, is_link_lost: bool) -> None:
+        with self._lock:
+            self._num_in_flight -= 1
+            for item in self._scheduler.fail(batch):
+                self._fail_item(item, error)
+        if is_link_lost:
+            self._link_lost(error)
+        self._wake_here()
+
+    def _link_lost(self, error: DriverFailed) -> None:
+        """Every waiting pass fails now; later calls fail with the same error."""
+        with self._lock:
+            self._broken = self._broken or error
+            for item in self._scheduler.cancel(lambda p: True):
+                self._fail_item(item, error)
+
+
+def _first_host_error(exc: BaseException) -> BaseException:
+    """The `HostError` inside anyio's exception groups, if any: the message a caller can act on."""
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _first_host_error(inner)
+            if isinstance(found, HostError):
+                return found
+    return exc

@@ -1,0 +1,171 @@
+"""The KV page table: which pages each context holds, reference counts, the free pool.
+
+Pure bookkeeping: it never talks to the driver. Operations that need page memory moved return the
+`PageCopy` pairs the caller must send as a bridge `Copy` before the next pass touching them.
+Invariant: a context writes only into pages it holds alone (refcount 1); shared pages are full
+or, after a truncate, copied on the next write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from host.errors import ContextNotFound, InvalidRequest, OutOfPages
+
+
+@dataclass(frozen=True, slots=True)
+class PageCopy:
+    """Copy page `src` to page `dst` (whole page) on the driver."""
+
+    src: int
+    dst: int
+
+
+@dataclass(slots=True)
+class _ContextPages:
+    pages: list[int] = field(default_factory=list)
+    length: int = 0  # KV slots in use; the last page holds length - (len(pages) - 1) * page_size
+
+
+def pages_for(length: int, page_size: int) -> int:
+    """Number of pages that hold `length` slots."""
+    return -(-length // page_size)
+
+
+class PageTable:
+    """Pages are numbered 0..num_pages-1. Every failing operation leaves the table unchanged."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages < 0 or page_size <= 0:
+            raise InvalidRequest(f"bad page pool: {num_pages} pages of {page_size} tokens")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._refcount = [0] * num_pages
+        # A stack popped from the end: the lowest free page goes out first (deterministic ids).
+        self._free = list(range(num_pages - 1, -1, -1))
+        self._contexts: dict[int, _ContextPages] = {}
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def refcount(self, page: int) -> int:
+        return self._refcount[page]
+
+    def has(self, context_id: int) -> bool:
+        return context_id in self._contexts
+
+    def length(self, context_id: int) -> int:
+        return self._get(context_id).length
+
+    def pages(self, context_id: int) -> tuple[int, ...]:
+        return tuple(self._get(context_id).pages)
+
+    def context_ids(self) -> list[int]:
+        return list(self._contexts)
+
+    # ------------------------------------------------------------------ changes
+
+    def create(self, context_id: int) -> None:
+        if context_id in self._contexts:
+            raise InvalidRequest(f"context {context_id} already exists")
+        self._contexts[context_id] = _ContextPages()
+
+    def fork(self, src_id: int, dst_id: int) -> list[PageCopy]:
+        """`dst_id` gets `src_id`'s tokens: full pages are shared, the partial last page is copied."""
+        src = self._get(src_id)
+        if dst_id in self._contexts:
+            raise InvalidRequest(f"context {dst_id} already exists")
+        num_full = src.length // self.page_size
+        shared = src.pages[:num_full]
+        copies: list[PageCopy] = []
+        pages = list(shared)
+        if num_full < len(src.pages):
+            dst_page = self._allocate(1)[0]
+            copies.append(PageCopy(src.pages[num_full], dst_page))
+            pages.append(dst_page)
+        for page in shared:
+            self._refcount[page] += 1
+        self._contexts[dst_id] = _ContextPages(pages, src.length)
+        return copies
+
+    def extend(self, context_id: int, num_tokens: int) -> list[PageCopy]:
+        """Grow the context by `num_tokens` slots, allocating pages; a shared partial last page
+        is first replaced by a private copy (returned), so the new slots never land in a page
+        another context reads."""
+        ctx = self._get(context_id)
+        if num_tokens < 0:
+            raise InvalidRequest(f"cannot extend by {num_tokens} tokens")
+        if num_tokens == 0:
+            return []
+        is_cow = ctx.length % self.page_size != 0 and self._refcount[ctx.pages[-1]] > 1
+        num_new = pages_for(ctx.length + num_tokens, self.page_size) - len(ctx.pages)
+        fresh = self._allocate(num_new + int(is_cow))
+        copies: list[PageCopy] = []
+        if is_cow:
+            old, new = ctx.pages[-1], fresh.pop(0)
+            self._decref(old)
+            ctx.pages[-1] = new
+            copies.append(PageCopy(old, new))
+        ctx.pages.extend(fresh)
+        ctx.length += num_tokens
+        return copies
+
+    def truncate(self, context_id: int, length: int) -> None:
+        """Keep the first `length` slots; pages wholly past them go back to the pool."""
+        ctx = self._get(context_id)
+        if not 0 <= length <= ctx.length:
+            raise InvalidRequest(f"cannot truncate context {context_id} of length {ctx.length} to {length}")
+        keep = pages_for(length, self.page_size)
+        for page in ctx.pages[keep:]:
+            self._decref(page)
+        del ctx.pages[keep:]
+        ctx.length = length
+
+    def release(self, context_id: int) -> None:
+        ctx = self._contexts.pop(context_id, None)
+        if ctx is None:
+            raise ContextNotFound(context_id)
+        for page in ctx.pages:
+            self._decref(page)
+
+    # ------------------------------------------------------------------ internals
+
+    def _get(self, context_id: int) -> _ContextPages:
+        ctx = self._contexts.get(context_id)
+        if ctx is None:
+            raise ContextNotFound(context_id)
+        return ctx
+
+    def _allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise OutOfPages(count, len(self._free), self.num_pages, self.page_size)
+        taken = [self._free.pop() for _ in range(count)]
+        for page in taken:
+            self._refcount[page] = 1
+        return taken
+
+    def _decref(self, page: int) -> None:
+        assert self._refcount[page] > 0, f"page {page} freed twice"
+        self._refcount[page] -= 1
+        if self._refcount[page] == 0:
+            self._free.append(page)
+
+
+def copy_groups(copies: Sequence[PageCopy]) -> list[list[PageCopy]]:
+    """Split copies, in order, into groups a single bridge `Copy` may carry (distinct
+    destinations, no destination also a source); later groups may read what earlier ones wrote."""
+    groups: list[list[PageCopy]] = []
+    srcs: set[int] = set()
+    dsts: set[int] = set()
+    for copy in copies:
+        if not groups or copy.src in dsts or copy.dst in dsts or copy.dst in srcs:
+            groups.append([])
+            srcs, dsts = set(), set()
+        groups[-1].append(copy)
+        srcs.add(copy.src)
+        dsts.add(copy.dst)
+    return groups

@@ -1,0 +1,76 @@
+"""Checks a forward pass where it enters the host, against the driver's handshake.
+
+A pass that passes never gets an error reply for its shape or ranges, and always fits an empty
+driver pass (so the scheduler never holds one it cannot place). Knows nothing of pages or runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from bridge_schema.batch import OutputSpec, logit_mask_words
+from bridge_schema.messages import Handshake, SamplerKind
+from host.errors import InvalidRequest
+from host.services import PassRequest
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedPass:
+    tokens: npt.NDArray[np.uint32]
+    positions: npt.NDArray[np.uint32]
+    outputs: tuple[OutputSpec, ...]
+    mask_rows: list[list[int]] | None
+
+
+def check_request(request: PassRequest, kv_start: int, h: Handshake, adapters: set[int]) -> CheckedPass:
+    """Validate a pass where it enters the host, against the driver's handshake, so the driver
+    never sees a request it must refuse (and the scheduler never holds one it cannot place)."""
+    tokens = np.asarray(request.tokens, dtype=np.int64).reshape(-1)
+    num = len(tokens)
+    if num == 0:
+        raise InvalidRequest("a forward pass needs at least one input token")
+    if tokens.min() < 0 or tokens.max() >= h.vocab_size:
+        raise InvalidRequest(f"input token out of range [0, {h.vocab_size})")
+    if request.positions is None:
+        positions = np.arange(kv_start, kv_start + num, dtype=np.int64)
+    else:
+        positions = np.asarray(request.positions, dtype=np.int64).reshape(-1)
+        if len(positions) != num:
+            raise InvalidRequest(f"{len(positions)} positions given for {num} input tokens")
+    if positions.min() < 0 or positions.max() >= h.max_context:
+        raise InvalidRequest(f"position out of range [0, {h.max_context}) (the model's context length)")
+    if request.adapter_id != -1 and request.adapter_id not in adapters:
+        raise InvalidRequest(f"adapter {request.adapter_id} is not loaded by this run")
+    outputs = tuple(request.outputs)
+    words = logit_mask_words(h.vocab_size)
+    row_words = [0] * num  # u32 mask words each row brings into a pass
+    for i, o in enumerate(outputs):
+        if not 0 <= o.row < num or (i and o.row <= outputs[i - 1].row):
+            raise InvalidRequest(f"output rows must be strictly increasing and within the {num} input tokens")
+        s = o.sampler
+        if s.kind == SamplerKind.RANDOM and not s.temperature > 0:
+            raise InvalidRequest("temperature must be > 0 for random sampling (use greedy for 0)")
+        if not (0 < s.top_p <= 1 and 0 <= s.min_p < 1 and s.top_k >= 0 and s.seed >= -1):
+            raise InvalidRequest("sampler out of range: top_p in (0, 1], min_p in [0, 1), top_k >= 0, seed >= -1")
+        if not 0 <= o.probe_k <= h.max_probe_k:
+            raise InvalidRequest(f"probe_k must be in [0, {h.max_probe_k}]")
+        if o.logit_mask is not None:
+            if len(o.logit_mask) != words:
+                raise InvalidRequest(f"a logit mask has {words} words for a vocabulary of {h.vocab_size}")
+            row_words[o.row] += words
+    mask_rows = None
+    if request.mask_rows is not None:
+        mask_rows = [[int(r) for r in row] for row in request.mask_rows]
+        kv_len = kv_start + num
+        if len(mask_rows) != num:
+            raise InvalidRequest(f"{len(mask_rows)} attention mask rows for {num} input tokens")
+        for i, row in enumerate(mask_rows):
+            if any(r < 0 for r in row) or sum(row) != kv_len:
+                raise InvalidRequest(f"attention mask row {i} must cover the pass's {kv_len} keys exactly")
+            row_words[i] += len(row)
+    if h.max_mask_bytes and 4 * max(row_words) > h.max_mask_bytes:
+        raise InvalidRequest(f"one row's masks exceed the driver's {h.max_mask_bytes} mask bytes per pass")
+    return CheckedPass(tokens.astype(np.uint32), positions.astype(np.uint32), outputs, mask_rows)

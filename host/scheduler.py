@@ -1,0 +1,321 @@
+"""Continuous batching: folds every run's pending forward passes into driver passes.
+
+Pure: no sockets, threads or clock. It knows the driver's limits and each pass's pages, never
+the page table, the bridge transport or the runs. Large fills go out in chunks (chunked prefill),
+chunks of one context in order; a context with a chunk in flight waits until it returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from bridge_schema.batch import OutputResult, OutputSpec, RequestSpec, logit_mask_words
+from host.pages import pages_for
+
+_UNLIMITED = 1 << 62
+
+
+@dataclass(frozen=True, slots=True)
+class PassLimits:
+    """Driver limits (from the handshake; 0 = unlimited) and the scheduler's own knobs.
+
+    A pass whose remaining tokens are at most `short_pass_tokens` (a decode step, a short verify)
+    is admitted before fills. While a fill waits, short passes leave it at least one request slot
+    and `fill_reserve_tokens` tokens, so neither kind starves the other.
+    """
+
+    max_requests_per_pass: int
+    max_tokens_per_pass: int
+    max_mask_bytes: int = 0
+    vocab_size: int = 0
+    max_fill_chunk_tokens: int = 0  # 0 = as large as the pass allows
+    short_pass_tokens: int = 8
+    fill_reserve_tokens: int = 256
+
+    def requests(self) -> int:
+        return self.max_requests_per_pass or _UNLIMITED
+
+    def tokens(self) -> int:
+        return self.max_tokens_per_pass or _UNLIMITED
+
+    def mask_words(self) -> int:
+        return self.max_mask_bytes // 4 if self.max_mask_bytes else _UNLIMITED
+
+
+@dataclass(eq=False, slots=True)
+class PendingPass:
+    """One inferlet forward pass, with the KV pages reserved for it.
+
+    Its tokens fill slots kv_start .. kv_start + len(tokens) of the context, held by `pages`.
+    """
+
+    ticket: int
+    run_id: int
+    context_id: int
+    tokens: npt.NDArray[np.uint32]
+    positions: npt.NDArray[np.uint32]
+    pages: tuple[int, ...]
+    kv_start: int
+    outputs: tuple[OutputSpec, ...] = ()
+    adapter_id: int = -1
+    mask_rows: Sequence[Sequence[int]] | None = None
+    num_done: int = 0  # tokens whose chunks have returned
+    results: list[OutputResult] = field(default_factory=list)
+    is_cancelled: bool = False
+    is_isolated: bool = False  # its batch was refused: retry it alone to find the culprit
+
+    @property
+    def num_remaining(self) -> int:
+        return len(self.tokens) - self.num_done
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Tokens [start, stop) of a pending pass, as one request of a driver pass."""
+
+    item: PendingPass
+    start: int
+    stop: int
+    spec: RequestSpec
+
+    @property
+    def is_last(self) -> bool:
+        return self.stop == len(self.item.tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    batch_id: int
+    chunks: tuple[Chunk, ...]
+
+    def specs(self) -> list[RequestSpec]:
+        return [c.spec for c in self.chunks]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.stop - c.start for c in self.chunks)
+
+
+def trim_runs(runs: Sequence[int], num_keys: int) -> list[int]:
+    """A BRLE row (false run first) cut to its first `num_keys` keys."""
+    out: list[int] = []
+    total = 0
+    for run in runs:
+        take = min(int(run), num_keys - total)
+        out.append(take)
+        total += take
+        if total == num_keys:
+            break
+    return out
+
+
+class Scheduler:
+    def __init__(self, limits: PassLimits, page_size: int) -> None:
+        self.limits = limits
+        self.page_size = page_size
+        self._queue: dict[int, PendingPass] = {}  # by ticket; insertion order is arrival order
+        self._in_flight: dict[int, Batch] = {}
+        self._busy_contexts: set[int] = set()
+        self._next_batch_id = 1
+
+    # ------------------------------------------------------------------ queue
+
+    def submit(self, item: PendingPass) -> None:
+        assert item.ticket not in self._queue, "tickets are unique"
+        self._queue[item.ticket] = item
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._queue)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def has_pending(self, context_id: int) -> bool:
+        """True while a pass of this context waits or is in flight."""
+        return any(item.context_id == context_id for item in self._queue.values())
+
+    def has_work(self) -> bool:
+        """True when `next_batch` would return a batch."""
+        return any(item.context_id not in self._busy_contexts for item in self._queue.values())
+
+    def cancel(self, predicate: Callable[[PendingPass], bool]) -> list[PendingPass]:
+        """Drop every matching pass, waiting or in flight; a chunk in flight still returns but
+        its results are discarded. Returns the dropped passes (to fail their waiters)."""
+        dropped = [item for item in self._queue.values() if predicate(item)]
+        for item in dropped:
+            item.is_cancelled = True
+            del self._queue[item.ticket]
+        return dropped
+
+    # ------------------------------------------------------------------ batching
+
+    def next_batch(self) -> Batch | None:
+        """The next pass to send, or None when nothing is ready. Contexts in the returned batch
+        are busy until `complete` or `fail` is called with it."""
+        heads: list[PendingPass] = []
+        seen: set[int] = set()
+        for item in self._queue.values():
+            if item.context_id in seen:
+                continue
+            seen.add(item.context_id)
+            if item.context_id not in self._busy_contexts:
+                heads.append(item)
+        if not heads:
+            return None
+        isolated = next((i for i in heads if i.is_isolated), None)
+        if isolated is not None:
+            taken = self._take(isolated, _Budget(1, self.limits.tokens(), self.limits.mask_words()), True)
+            assert taken is not None, "a checked pass always fits an empty pass"
+            return self._launch([taken[0]])
+        lim = self.limits
+        short = [i for i in heads if i.num_remaining <= lim.short_pass_tokens]
+        fills = [i for i in heads if i.num_remaining > lim.short_pass_tokens]
+        budget = _Budget(lim.requests(), lim.tokens(), lim.mask_words())
+        chunks: list[Chunk] = []
+        if fills:
+            # Short passes leave room for the oldest fill so it always advances.
+            reserve = min(lim.fill_reserve_tokens, fills[0].num_remaining, budget.tokens // 2)
+            short_budget = _Budget(budget.requests - 1, budget.tokens - reserve, budget.mask_words)
+        else:
+            short_budget = budget
+        admitted: set[int] = set()
+        for item in short:
+            taken = self._take(item, short_budget, allow_partial=False)
+            if taken is not None:
+                budget.spend(*taken)
+                if short_budget is not budget:
+                    short_budget.spend(*taken)
+                chunks.append(taken[0])
+                admitted.add(item.ticket)
+        for item in heads:
+            if budget.requests <= 0 or budget.tokens <= 0:
+                break
+            if item.ticket in admitted:
+                continue
+            taken = self._take(item, budget, allow_partial=True)
+            if taken is not None:
+                budget.spend(*taken)
+                chunks.append(taken[0])
+        if not chunks:
+            return None
+        return self._launch(chunks)
+
+    def _launch(self, chunks: list[Chunk]) -> Batch:
+        batch = Batch(self._next_batch_id, tuple(sorted(chunks, key=lambda c: c.item.ticket)))
+        self._next_batch_id += 1
+        self._in_flight[batch.batch_id] = batch
+        self._busy_contexts.update(c.item.context_id for c in batch.chunks)
+        return batch
+
+    def complete(self, batch: Batch, outputs: Sequence[Sequence[OutputResult]]) -> list[PendingPass]:
+        """Record a returned batch (`outputs` per chunk, in batch order). Returns the passes
+        that are now finished, their `results` filled, in ticket order."""
+        assert len(outputs) == len(batch.chunks), "one output list per chunk"
+        self._retire(batch)
+        finished: list[PendingPass] = []
+        for chunk, results in zip(batch.chunks, outputs, strict=True):
+            item = chunk.item
+            if item.is_cancelled:
+                continue
+            item.results.extend(results)
+            item.num_done = chunk.stop
+            item.is_isolated = False
+            if chunk.is_last:
+                del self._queue[item.ticket]
+                finished.append(item)
+        return finished
+
+    def isolate(self, batch: Batch) -> None:
+        """The driver refused `batch` as a whole: its chunks go back to the queue, each to be
+        retried in a pass of its own, so one bad request fails alone and the others still run."""
+        self._retire(batch)
+        for chunk in batch.chunks:
+            chunk.item.is_isolated = True
+
+    def fail(self, batch: Batch) -> list[PendingPass]:
+        """A batch that did not return: each of its passes is dropped (also their later chunks).
+        Returns those passes, to fail their waiters."""
+        self._retire(batch)
+        failed: list[PendingPass] = []
+        for chunk in batch.chunks:
+            item = chunk.item
+            if item.is_cancelled:
+                continue
+            item.is_cancelled = True
+            self._queue.pop(item.ticket, None)
+            failed.append(item)
+        return failed
+
+    # ------------------------------------------------------------------ internals
+
+    def _retire(self, batch: Batch) -> None:
+        assert self._in_flight.pop(batch.batch_id, None) is batch, f"batch {batch.batch_id} is not in flight"
+        for chunk in batch.chunks:
+            self._busy_contexts.discard(chunk.item.context_id)
+
+    def _logit_words(self, chunk: Chunk) -> int:
+        if not self.limits.vocab_size:
+            return 0
+        num_masks = sum(o.logit_mask is not None for o in chunk.spec.outputs)
+        return num_masks * logit_mask_words(self.limits.vocab_size)
+
+    def _take(self, item: PendingPass, budget: _Budget, allow_partial: bool) -> tuple[Chunk, int] | None:
+        """The largest next chunk of `item` that fits `budget`, with its mask words, or None."""
+        if budget.requests <= 0:
+            return None
+        start = item.num_done
+        size = min(item.num_remaining, budget.tokens)
+        if self.limits.max_fill_chunk_tokens and item.num_remaining > self.limits.short_pass_tokens:
+            size = min(size, self.limits.max_fill_chunk_tokens)
+        while size > 0:
+            if not allow_partial and size < item.num_remaining:
+                return None
+            chunk = self._chunk(item, start, start + size)
+            rows = chunk.spec.mask_rows or ()
+            words = sum(len(row) for row in rows) + self._logit_words(chunk)
+            if words <= budget.mask_words:
+                return chunk, words
+            # Masks too big for what is left: halve the chunk (rows carry the mask bytes).
+            size //= 2
+        return None
+
+    def _chunk(self, item: PendingPass, start: int, stop: int) -> Chunk:
+        kv_len = item.kv_start + stop
+        num_pages = pages_for(kv_len, self.page_size)
+        mask_rows = None
+        if item.mask_rows is not None:
+            mask_rows = [trim_runs(item.mask_rows[i], kv_len) for i in range(start, stop)]
+        outputs = [
+            OutputSpec(o.row - start, o.sampler, o.probe, o.probe_k, o.logit_mask)
+            for o in item.outputs
+            if start <= o.row < stop
+        ]
+        spec = RequestSpec(
+            context_id=item.context_id,
+            tokens=item.tokens[start:stop],
+            positions=item.positions[start:stop],
+            pages=item.pages[:num_pages],
+            last_page_len=kv_len - (num_pages - 1) * self.page_size,
+            outputs=outputs,
+            adapter_id=item.adapter_id,
+            mask_rows=mask_rows,
+        )
+        return Chunk(item, start, stop, spec)
+
+
+@dataclass(slots=True)
+class _Budget:
+    requests: int
+    tokens: int
+    mask_words: int
+
+    def spend(self, chunk: Chunk, words: int) -> None:
+        self.requests -= 1
+        self.tokens -= chunk.stop - chunk.start
+        self.mask_words -= words

@@ -1,0 +1,376 @@
+"""The engine against the real dummy driver: a subprocess on a Unix socket, and in-process over
+loopback (which still encodes every frame). No mocks: page copies and batching are checked through
+the driver's own Health counters."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from bridge_schema.batch import OutputSpec, Sampler
+from host.engine import Engine
+from host.errors import (
+    ContextNotFound,
+    ContextNotOwned,
+    DriverFailed,
+    EngineClosed,
+    InvalidRequest,
+    OutOfPages,
+)
+from host.services import PassRequest
+
+PAGE = 16
+_runs = itertools.count(1)
+
+
+@pytest.fixture(scope="module", params=["dummy", "loopback"])
+def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
+    with Engine.start(request.param, ["--num-pages", "512", "--page-size", str(PAGE)]) as e:
+        yield e
+
+
+@pytest.fixture
+def run_id(engine: Engine) -> Iterator[int]:
+    rid = next(_runs)
+    yield rid
+    engine.end_run(rid)
+
+
+def fill(engine: Engine, run: int, ctx: int, tokens: list[int], sampler: Sampler | None = None) -> int:
+    result = engine.forward(
+        run, ctx, PassRequest(tokens=tokens, outputs=[OutputSpec(len(tokens) - 1, sampler or Sampler())])
+    )
+    (out,) = result.outputs
+    return out.token
+
+
+def test_create_fill_and_decode(engine: Engine, run_id: int) -> None:
+    ctx = engine.create_context(run_id)
+    prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    token = fill(engine, run_id, ctx, prompt)
+    generated = [token]
+    for _ in range(20):
+        generated.append(fill(engine, run_id, ctx, [generated[-1]], Sampler.random(seed=7)))
+    assert engine.context_length(run_id, ctx) == len(prompt) + 20
+    assert all(0 <= t < engine.model.vocab_size for t in generated)
+    # Greedy on the dummy depends only on (input token, position): a second context agrees.
+    other = engine.create_context(run_id)
+    assert fill(engine, run_id, other, prompt) == token
+
+
+def test_fork_shares_full_pages_and_copies_the_partial_page_on_the_driver(engine: Engine, run_id: int) -> None:
+    ctx = engine.create_context(run_id)
+    fill(engine, run_id, ctx, [65] * (2 * PAGE + 5))  # two full pages and a partial one
+    before = engine.driver_health()
+    child = engine.fork_context(run_id, ctx)
+    parent_pages, child_pages = engine.context_pages(ctx), engine.context_pages(child)
+    assert child_pages[:2] == parent_pages[:2]
+    assert child_pages[2] != parent_pages[2]
+    assert [engine.page_refcount(p) for p in parent_pages] == [2, 2, 1]
+    assert engine.context_length(run_id, child) == 2 * PAGE + 5
+    fill(engine, run_id, child, [66])  # the Copy goes out before this pass
+    after = engine.driver_health()
+    assert int(after["copies"]) - int(before["copies"]) == 1
+    assert int(after["pages_copied"]) - int(before["pages_copied"]) == 1
+    engine.release_context(run_id, ctx)
+    assert [engine.page_refcount(p) for p in child_pages] == [1, 1, 1]
+
+
+def test_writing_after_truncating_into_a_shared_page_sends_a_copy(engine: Engine, run_id: int) -> None:
+    ctx = engine.create_context(run_id)
+    fill(engine, run_id, ctx, [70] * (2 * PAGE))
+    child = engine.fork_context(run_id, ctx)
+    engine.truncate_context(run_id, child, PAGE + 3)
+    before = engine.driver_health()
+    fill(engine, run_id, child, [71, 72])
+    assert int(engine.driver_health()["pages_copied"]) - int(before["pages_copied"]) == 1
+    assert engine.context_pages(child)[1] != engine.context_pages(ctx)[1]
+
+
+def test_long_fill_is_chunked_under_the_driver_limit() -> None:
+    with Engine.start("loopback", ["--max-tokens-per-pass", "64", "--page-size", "8"]) as e:
+        ctx = e.create_context(1)
+        before = int(e.driver_health()["forwards"])
+        fill(e, 1, ctx, [80] * 300)
+        assert int(e.driver_health()["forwards"]) - before >= 5
+        assert e.context_length(1, ctx) == 300
+
+
+def test_sixty_four_concurrent_runs_complete(engine: Engine) -> None:
+    num_runs, num_tokens = 64, 24
+    outputs: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def run(rid: int) -> None:
+        try:
+            ctx = engine.create_context(rid)
+            tokens = [fill(engine, rid, ctx, engine.tokenizer.encode(f"prompt number {rid}"))]
+            for _ in range(num_tokens - 1):
+                tokens.append(fill(engine, rid, ctx, [tokens[-1]], Sampler.random(seed=rid)))
+            outputs[rid] = tokens
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            engine.end_run(rid)
+
+    rids = [next(_runs) for _ in range(num_runs)]
+    free_before = engine.num_free_pages
+    threads = [threading.Thread(target=run, args=(rid,)) for rid in rids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert sorted(outputs) == rids
+    assert all(len(tokens) == num_tokens for tokens in outputs.values())
+    assert engine.num_free_pages == free_before
+
+
+def test_out_of_pages_is_a_clear_error_and_changes_nothing() -> None:
+    with Engine.start("loopback", ["--num-pages", "4", "--page-size", "8"]) as e:
+        ctx = e.create_context(1)
+        fill(e, 1, ctx, [1] * 20)  # 3 of 4 pages
+        with pytest.raises(OutOfPages, match="out of KV pages"):
+            fill(e, 1, ctx, [1] * 20)
+        assert e.context_length(1, ctx) == 20
+        other = e.create_context(1)
+        with pytest.raises(OutOfPages):
+            fill(e, 1, other, [2] * 9)
+        e.release_context(1, ctx)
+        fill(e, 1, other, [2] * 9)
+        e.end_run(1)
+        assert e.num_free_pages == 4
+
+
+def test_end_run_frees_every_page_of_the_run(engine: Engine) -> None:
+    rid = next(_runs)
+    free = engine.num_free_pages
+    ctx = engine.create_context(rid)
+    fill(engine, rid, ctx, [3] * 50)
+    engine.fork_context(rid, ctx)
+    engine.create_context(rid)
+    assert engine.num_free_pages < free
+    engine.end_run(rid)
+    assert engine.num_free_pages == free
+    with pytest.raises(ContextNotFound):
+        engine.context_length(rid, ctx)
+
+
+def test_contexts_are_owned_by_their_run(engine: Engine, run_id: int) -> None:
+    ctx = engine.create_context(run_id)
+    with pytest.raises(ContextNotOwned):
+        engine.forward(run_id + 10_000, ctx, PassRequest(tokens=[1]))
+    engine.release_context(run_id, ctx)
+    with pytest.raises(ContextNotFound):
+        engine.forward(run_id, ctx, PassRequest(tokens=[1]))
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        PassRequest(tokens=[]),
+        PassRequest(tokens=[10_000]),
+        PassRequest(tokens=[1, 2], positions=[0]),
+        PassRequest(tokens=[1, 2], outputs=[OutputSpec(2)]),
+        PassRequest(tokens=[1, 2], outputs=[OutputSpec(1), OutputSpec(0)]),
+        PassRequest(tokens=[1], outputs=[OutputSpec(0, Sampler.random(temperature=0.0))]),
+        PassRequest(tokens=[1], adapter_id=3),
+        PassRequest(tokens=[1], mask_rows=[[0, 5]]),
+    ],
+)
+def test_invalid_requests_are_refused_before_the_driver(engine: Engine, run_id: int, request_: PassRequest) -> None:
+    ctx = engine.create_context(run_id)
+    with pytest.raises(InvalidRequest):
+        engine.forward(run_id, ctx, request_)
+    assert engine.context_length(run_id, ctx) == 0
+
+
+def test_masks_and_probes_reach_the_driver(engine: Engine, run_id: int) -> None:
+    ctx = engine.create_context(run_id)
+    allowed = np.zeros(engine.model.vocab_size, dtype=bool)
+    allowed[ord("{")] = True
+    mask = np.packbits(np.pad(allowed, (0, -len(allowed) % 32)), bitorder="little").view("<u4")
+    rows = [[0, 3]] * 3  # every key allowed; the driver ANDs it with causal
+    request = PassRequest(tokens=[1, 2, 3], outputs=[OutputSpec(2, logit_mask=mask)], mask_rows=rows)
+    (out,) = engine.forward(run_id, ctx, request).outputs
+    assert out.token == ord("{")
+
+
+def test_a_driver_error_fails_the_pass_clearly_and_the_engine_keeps_serving(engine: Engine, run_id: int) -> None:
+    ctx = engine.create_context(run_id)
+    nothing_allowed = np.zeros((engine.model.vocab_size + 31) // 32, dtype=np.uint32)
+    with pytest.raises(DriverFailed, match="allows no token"):
+        engine.forward(run_id, ctx, PassRequest(tokens=[1], outputs=[OutputSpec(0, logit_mask=nothing_allowed)]))
+    assert engine.context_length(run_id, ctx) == 0  # the failed pass's slots were given back
+    assert fill(engine, run_id, ctx, [1, 2, 3]) >= 0
+
+
+def test_adapters_load_through_the_driver(engine: Engine, run_id: int) -> None:
+    adapter = engine.load_adapter(run_id, "/nonexistent/lora")  # the dummy acks without loading
+    ctx = engine.create_context(run_id)
+    engine.forward(run_id, ctx, PassRequest(tokens=[1], outputs=[OutputSpec(0)], adapter_id=adapter))
+    assert engine.load_adapter(run_id, "/nonexistent/lora") == adapter
+
+
+def test_tokenizer_and_model_come_from_the_handshake(engine: Engine) -> None:
+    assert engine.model.page_size == PAGE
+    assert engine.tokenizer.decode(engine.tokenizer.encode("héllo")) == "héllo"
+    text = engine.tokenizer.apply_chat_template([("user", "hi")], add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_a_driver_that_dies_fails_passes_instead_of_hanging() -> None:
+    workdir = tempfile.mkdtemp(prefix="wafer-test-")
+    address = f"unix:{os.path.join(workdir, 'd.sock')}"
+    proc = subprocess.Popen([sys.executable, "-m", "drivers.dummy", "--listen", address, "--log-level", "WARNING"])
+    try:
+        while not os.path.exists(address[5:]):
+            assert proc.poll() is None, "driver exited"
+            time.sleep(0.02)
+        engine = Engine.start(address)
+        ctx = engine.create_context(1)
+        fill(engine, 1, ctx, [1, 2])
+        proc.kill()
+        proc.wait()
+        with pytest.raises(DriverFailed):
+            for _ in range(1000):  # the loss is noticed by the first pass after it
+                fill(engine, 1, ctx, [1])
+        with pytest.raises(DriverFailed):
+            engine.create_context(1)
+        engine.close()
+        with pytest.raises(EngineClosed):
+            engine.create_context(2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_close_fails_waiting_passes() -> None:
+    engine = Engine.start("loopback", ["--pass-latency-ms", "50"])
+    ctx = engine.create_context(1)
+    outcome: list[object] = []
+
+    def decode() -> None:
+        try:
+            while True:
+                fill(engine, 1, ctx, [1])
+        except EngineClosed as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=decode)
+    thread.start()
+    fill_started = engine.driver_health()
+    assert fill_started
+    engine.close()
+    thread.join()
+    assert isinstance(outcome[0], EngineClosed)
+
+
+def test_unknown_driver_names_are_refused() -> None:
+    with pytest.raises(InvalidRequest, match="unknown driver"):
+        Engine.start("cuda")
+
+
+@pytest.mark.parametrize("driver", ["dummy", "loopback"])
+def test_a_driver_that_fails_to_start_is_a_clear_error(driver: str) -> None:
+    with pytest.raises(DriverFailed, match=r"(exited|rejected its options)"):
+        Engine.start(driver, ["--no-such-option"])
+
+
+def test_an_address_nobody_listens_on_is_a_clear_error() -> None:
+    with pytest.raises(DriverFailed, match="cannot reach the driver"):
+        Engine.start(f"unix:{tempfile.mkdtemp()}/nobody.sock")
+
+
+def test_health_checks_and_adapter_loads_interleave_with_passes(engine: Engine) -> None:
+    errors: list[BaseException] = []
+
+    def decode(rid: int) -> None:
+        try:
+            ctx = engine.create_context(rid)
+            token = fill(engine, rid, ctx, [1, 2, 3])
+            for _ in range(30):
+                token = fill(engine, rid, ctx, [token])
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            engine.end_run(rid)
+
+    def control(rid: int) -> None:
+        try:
+            for i in range(30):
+                engine.driver_health()
+                engine.load_adapter(rid, f"/adapters/a{i % 3}")
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            engine.end_run(rid)
+
+    threads = [threading.Thread(target=decode, args=(next(_runs),)) for _ in range(8)]
+    threads += [threading.Thread(target=control, args=(next(_runs),)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+def test_a_refused_request_fails_alone_when_batched_with_good_ones() -> None:
+    with Engine.start("loopback", ["--pass-latency-ms", "100"]) as e:
+        nothing_allowed = np.zeros((e.model.vocab_size + 31) // 32, dtype=np.uint32)
+        slow, bad, good = (e.create_context(rid) for rid in (1, 2, 3))
+        outcome: dict[str, object] = {}
+
+        def call(name: str, rid: int, ctx: int, request: PassRequest) -> None:
+            try:
+                outcome[name] = e.forward(rid, ctx, request).outputs[0].token
+            except DriverFailed as exc:
+                outcome[name] = exc
+
+        bad_request = PassRequest(tokens=[1], outputs=[OutputSpec(0, logit_mask=nothing_allowed)])
+        threads = [threading.Thread(target=call, args=("slow", 1, slow, PassRequest([1], outputs=[OutputSpec(0)])))]
+        threads[0].start()
+        time.sleep(0.03)  # while the slow pass runs, the next two queue up and share a batch
+        threads += [
+            threading.Thread(target=call, args=("bad", 2, bad, bad_request)),
+            threading.Thread(target=call, args=("good", 3, good, PassRequest([2], outputs=[OutputSpec(0)]))),
+        ]
+        for t in threads[1:]:
+            t.start()
+        for t in threads:
+            t.join()
+        assert isinstance(outcome["bad"], DriverFailed)
+        assert isinstance(outcome["good"], int) and isinstance(outcome["slow"], int)
+
+
+def test_a_hello_the_driver_refuses_is_a_clear_error() -> None:
+    with pytest.raises(DriverFailed, match=r"refused the hello.*prefix_match_unit"):
+        Engine.start("loopback", page_size=16, prefix_match_unit=8, speculation_depth=1)
+
+
+def test_fork_and_truncate_wait_for_no_one_they_refuse_while_a_pass_is_pending() -> None:
+    with Engine.start("loopback", ["--pass-latency-ms", "500"]) as e:
+        ctx = e.create_context(1)
+        thread = threading.Thread(target=fill, args=(e, 1, ctx, [1, 2, 3]))
+        thread.start()
+        while e.context_length(1, ctx) == 0:  # the pass is accepted (slots reserved) ...
+            time.sleep(0.001)
+        refused = 0
+        for call in (lambda: e.fork_context(1, ctx), lambda: e.truncate_context(1, ctx, 0)):
+            try:
+                call()
+            except InvalidRequest as exc:
+                assert "pending" in str(exc)
+                refused += 1
+        thread.join()
+        assert refused >= 1  # ... and still running when at least the first call came
+        assert e.context_length(1, ctx) in (0, 3)

@@ -1,0 +1,195 @@
+"""The page table: refcounts, fork sharing, copy-on-write after truncate, out-of-pages.
+
+The state machine simulates page memory (what the driver would hold) and checks after every step
+that each context reads back exactly its own tokens, so a page written while shared, or a copy
+that was not returned, fails it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, MultipleResults, RuleBasedStateMachine, consumes, invariant, multiple, rule
+
+from host.errors import ContextNotFound, InvalidRequest, OutOfPages
+from host.pages import PageCopy, PageTable, copy_groups
+
+
+def test_extend_allocates_whole_pages() -> None:
+    table = PageTable(num_pages=8, page_size=4)
+    table.create(1)
+    assert table.extend(1, 5) == []
+    assert table.pages(1) == (0, 1)
+    assert table.length(1) == 5
+    assert table.num_free == 6
+    table.extend(1, 3)
+    assert table.pages(1) == (0, 1)
+    table.extend(1, 1)
+    assert table.pages(1) == (0, 1, 2)
+
+
+def test_fork_shares_full_pages_and_copies_the_partial_one() -> None:
+    table = PageTable(num_pages=8, page_size=4)
+    table.create(1)
+    table.extend(1, 10)  # pages 0, 1 full; page 2 holds 2 slots
+    copies = table.fork(1, 2)
+    assert copies == [PageCopy(src=2, dst=3)]
+    assert table.pages(2) == (0, 1, 3)
+    assert [table.refcount(p) for p in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    assert table.length(2) == 10
+
+
+def test_fork_of_a_page_aligned_context_copies_nothing() -> None:
+    table = PageTable(num_pages=4, page_size=4)
+    table.create(1)
+    table.extend(1, 8)
+    assert table.fork(1, 2) == []
+    assert table.refcount(0) == table.refcount(1) == 2
+
+
+def test_release_frees_only_unshared_pages() -> None:
+    table = PageTable(num_pages=8, page_size=4)
+    table.create(1)
+    table.extend(1, 10)
+    table.fork(1, 2)
+    table.release(1)
+    assert table.refcount(0) == 1 and table.refcount(2) == 0
+    assert table.num_free == 5
+    table.release(2)
+    assert table.num_free == 8
+    with pytest.raises(ContextNotFound):
+        table.release(2)
+
+
+def test_writing_after_truncating_into_a_shared_page_copies_it_first() -> None:
+    table = PageTable(num_pages=8, page_size=4)
+    table.create(1)
+    table.extend(1, 8)
+    table.fork(1, 2)
+    table.truncate(2, 6)  # page 1 is now partial for context 2 and still shared with context 1
+    assert table.pages(2) == (0, 1)
+    copies = table.extend(2, 1)
+    assert copies == [PageCopy(src=1, dst=2)]
+    assert table.pages(2) == (0, 2)
+    assert table.refcount(1) == 1
+
+
+def test_out_of_pages_is_immediate_and_changes_nothing() -> None:
+    table = PageTable(num_pages=2, page_size=4)
+    table.create(1)
+    table.extend(1, 6)
+    with pytest.raises(OutOfPages, match="need 1 more page"):
+        table.extend(1, 3)
+    assert table.length(1) == 6 and table.num_free == 0
+    with pytest.raises(OutOfPages):
+        table.fork(1, 2)
+    assert not table.has(2)
+
+
+def test_invalid_arguments() -> None:
+    table = PageTable(num_pages=2, page_size=4)
+    table.create(1)
+    with pytest.raises(InvalidRequest):
+        table.create(1)
+    with pytest.raises(InvalidRequest):
+        table.truncate(1, 1)
+    with pytest.raises(InvalidRequest):
+        table.extend(1, -1)
+    with pytest.raises(ContextNotFound):
+        table.extend(7, 1)
+
+
+def test_copy_groups_never_read_a_page_written_in_the_same_group() -> None:
+    chain = [PageCopy(1, 2), PageCopy(2, 3), PageCopy(4, 5)]
+    assert copy_groups(chain) == [[PageCopy(1, 2)], [PageCopy(2, 3), PageCopy(4, 5)]]
+    assert copy_groups([PageCopy(1, 2), PageCopy(1, 3)]) == [[PageCopy(1, 2), PageCopy(1, 3)]]
+    assert copy_groups([]) == []
+
+
+class PageTableMachine(RuleBasedStateMachine):
+    contexts = Bundle("contexts")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.page_size = 3
+        self.table = PageTable(num_pages=12, page_size=self.page_size)
+        self.memory: dict[int, list[object]] = {p: [None] * self.page_size for p in range(12)}
+        self.expected: dict[int, list[object]] = {}
+        self.ids = itertools.count(1)
+        self.values = itertools.count()
+
+    def _apply(self, copies: list[PageCopy]) -> None:
+        for group in copy_groups(copies):
+            snapshot = {c.src: list(self.memory[c.src]) for c in group}
+            for c in group:
+                self.memory[c.dst] = snapshot[c.src]
+
+    @rule(target=contexts)
+    def create(self) -> int:
+        cid = next(self.ids)
+        self.table.create(cid)
+        self.expected[cid] = []
+        return cid
+
+    @rule(cid=contexts, n=st.integers(0, 7))
+    def extend(self, cid: int, n: int) -> None:
+        try:
+            copies = self.table.extend(cid, n)
+        except OutOfPages:
+            return
+        self._apply(copies)
+        pages = self.table.pages(cid)
+        start = len(self.expected[cid])
+        for slot in range(start, start + n):
+            page = pages[slot // self.page_size]
+            assert self.table.refcount(page) == 1, "wrote into a shared page"
+            value = next(self.values)
+            self.memory[page][slot % self.page_size] = value
+            self.expected[cid].append(value)
+
+    @rule(target=contexts, cid=contexts)
+    def fork(self, cid: int) -> int | MultipleResults[int]:
+        new = next(self.ids)
+        try:
+            copies = self.table.fork(cid, new)
+        except OutOfPages:
+            assert not self.table.has(new)
+            return multiple()
+        self._apply(copies)
+        self.expected[new] = list(self.expected[cid])
+        return new
+
+    @rule(cid=contexts, data=st.data())
+    def truncate(self, cid: int, data: st.DataObject) -> None:
+        length = data.draw(st.integers(0, len(self.expected[cid])))
+        self.table.truncate(cid, length)
+        del self.expected[cid][length:]
+
+    @rule(cid=consumes(contexts))
+    def release(self, cid: int) -> None:
+        self.table.release(cid)
+        del self.expected[cid]
+
+    @invariant()
+    def refcounts_match_holders(self) -> None:
+        holders = [0] * self.table.num_pages
+        for cid in self.table.context_ids():
+            for page in self.table.pages(cid):
+                holders[page] += 1
+        assert holders == [self.table.refcount(p) for p in range(self.table.num_pages)]
+        assert self.table.num_free == holders.count(0)
+
+    @invariant()
+    def every_context_reads_its_own_tokens(self) -> None:
+        for cid, tokens in self.expected.items():
+            pages = self.table.pages(cid)
+            assert len(pages) == -(-len(tokens) // self.page_size)
+            read = [self.memory[pages[i // self.page_size]][i % self.page_size] for i in range(len(tokens))]
+            assert read == tokens
+
+
+PageTableMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestPageTable = PageTableMachine.TestCase

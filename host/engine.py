@@ -45,6 +45,7 @@ from host.pages import PageCopy, PageTable, copy_groups
 from host.pass_check import check_request
 from host.scheduler import Batch, PassLimits, PendingPass, Scheduler
 from host.services import ModelInfo, PassRequest, PassResult, Tokenizer
+from host.staging import Staging, shape_of
 from host.tokenizer import tokenizer_from_handshake
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class Engine:
 
     def __init__(self, spec: DriverSpec, adapter_dir: str = "", max_fill_chunk_tokens: int = 0) -> None:
         self._spec = spec
+        self._speculation_depth = spec.hello.speculation_depth
         self._adapter_dir = adapter_dir
         self._max_fill_chunk_tokens = max_fill_chunk_tokens
         self._lock = threading.Lock()
@@ -158,6 +160,8 @@ class Engine:
     def fork_context(self, run_id: int, context_id: int) -> int:
         with self._lock:
             self._check_usable()
+            self._check_owner(run_id, context_id)
+            self._staging.invalidate(context_id)
             self._check_idle(run_id, context_id, "fork")
             child = next(self._context_ids)
             # The partial page's Copy goes out before the next pass (the loop sends copies first).
@@ -173,6 +177,8 @@ class Engine:
 
     def truncate_context(self, run_id: int, context_id: int, length: int) -> None:
         with self._lock:
+            self._check_owner(run_id, context_id)
+            self._staging.invalidate(context_id)
             self._check_idle(run_id, context_id, "truncate")
             self._pages.truncate(context_id, length)
 
@@ -196,23 +202,42 @@ class Engine:
             self._check_owner(run_id, context_id)
             kv_start = self._pages.length(context_id)
             checked = check_request(request, kv_start, self._handshake, self._run_adapters.get(run_id, set()))
-            self._pending_copies += self._pages.extend(context_id, len(checked.tokens))  # may raise OutOfPages
-            item = PendingPass(
-                ticket=next(self._tickets),
-                run_id=run_id,
-                context_id=context_id,
-                tokens=checked.tokens,
-                positions=checked.positions,
-                pages=self._pages.pages(context_id),
-                kv_start=kv_start,
-                outputs=checked.outputs,
-                adapter_id=request.adapter_id,
-                mask_rows=checked.mask_rows,
+            shape = shape_of(
+                checked.tokens, checked.positions, checked.outputs, request.adapter_id, checked.mask_rows is not None
             )
-            self._futures[item.ticket] = future
-            self._enqueue(item)
+            staged = self._staging.take(context_id, shape)
+            if staged is not None:
+                # Served by a pre-fired pass: its slot, held already, becomes part of the context.
+                copies = self._pages.extend(context_id, 1)
+                assert not copies, "a staged slot needed a page copy"
+                if staged.result is not None:
+                    self._staging.after_served(staged)
+                    self._wake_loop()
+                    return staged.result
+                staged.waiter = future
+            else:
+                self._pending_copies += self._pages.extend(context_id, len(checked.tokens))  # may raise OutOfPages
+                item = PendingPass(
+                    ticket=next(self._tickets),
+                    run_id=run_id,
+                    context_id=context_id,
+                    tokens=checked.tokens,
+                    positions=checked.positions,
+                    pages=self._pages.pages(context_id),
+                    kv_start=kv_start,
+                    outputs=checked.outputs,
+                    adapter_id=request.adapter_id,
+                    mask_rows=checked.mask_rows,
+                )
+                self._futures[item.ticket] = future
+                self._enqueue(item)
         self._wake_loop()
         return future.result()
+
+    def speculation_stats(self) -> dict[str, int]:
+        """Hits, staged passes, misses and skips by reason (for benches and /metrics)."""
+        with self._lock:
+            return self._staging.stats()
 
     def load_adapter(self, run_id: int, name: str) -> int:
         """Adapters stay loaded on the driver once loaded (a cache shared by runs); `end_run`
@@ -253,18 +278,22 @@ class Engine:
     # ------------------------------------------------------------------ the speculator's seam
 
     def _enqueue(self, item: PendingPass) -> None:
-        """Where a checked pass enters batching (lock held). The speculator (issue 4) sits here
-        and in `_on_finished`: it answers a matching item from a staged entry, or drops that
-        context's chain and lets the item through to the scheduler."""
+        """Where a cold pass enters batching (lock held); `forward` has already offered the
+        request to the staged chain (`host.staging`)."""
         self._scheduler.submit(item)
 
     def _on_finished(self, finished: list[PendingPass]) -> None:
-        """Passes whose results just came back (lock held). The speculator will stage each plain
-        decode's next step here; without it the results go straight to their waiters."""
+        """Passes whose results just came back (lock held): staged ones go to `host.staging`;
+        cold ones to their waiters, and each plain decode's next step is pre-fired."""
         for item in finished:
+            if self._staging.on_finished(item):
+                continue
             future = self._futures.pop(item.ticket, None)
             if future is not None:
                 future.set_result(PassResult(outputs=item.results))
+            if self._staging.is_enabled and item.results and self._pages.has(item.context_id):
+                shape = shape_of(item.tokens, item.positions, item.outputs, item.adapter_id, item.mask_rows is not None)
+                self._staging.stage_after(item.run_id, item.context_id, shape, item.results[-1].token)
 
     # ------------------------------------------------------------------ run-thread helpers
 
@@ -291,6 +320,7 @@ class Engine:
             raise InvalidRequest(f"cannot {what} context {context_id} while a forward pass on it is pending")
 
     def _drop_context(self, context_id: int, reason: HostError) -> None:
+        self._staging.invalidate(context_id)
         for item in self._scheduler.cancel(lambda p: p.context_id == context_id):
             self._fail_item(item, reason)
         self._pages.release(context_id)
@@ -298,9 +328,10 @@ class Engine:
 
     def _fail_item(self, item: PendingPass, error: HostError) -> None:
         """Fail the waiter and give back the slots the pass had reserved (lock held)."""
-        future = self._futures.pop(item.ticket, None)
-        if future is not None:
-            future.set_exception(error)
+        if not self._staging.on_failed(item, error):
+            future = self._futures.pop(item.ticket, None)
+            if future is not None:
+                future.set_exception(error)
         end = item.kv_start + len(item.tokens)
         if self._pages.has(item.context_id) and self._pages.length(item.context_id) == end:
             self._pages.truncate(item.context_id, item.kv_start)
@@ -390,6 +421,7 @@ class Engine:
             max_fill_chunk_tokens=self._max_fill_chunk_tokens,
         )
         self._scheduler = Scheduler(limits, h.page_size)
+        self._staging = Staging(self._speculation_depth, self._pages, self._scheduler, lambda: next(self._tickets))
 
     async def _schedule_loop(self, link: DriverLink, tg: anyio.abc.TaskGroup) -> None:
         assert self._wake is not None

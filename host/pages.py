@@ -25,7 +25,9 @@ class PageCopy:
 @dataclass(slots=True)
 class _ContextPages:
     pages: list[int] = field(default_factory=list)
-    length: int = 0  # KV slots in use; the last page holds length - (len(pages) - 1) * page_size
+    # KV slots in use. pages[:pages_for(length)] hold them; pages past those are reserved
+    # (by `reserve`, for a staged speculative write) and empty.
+    length: int = 0
 
 
 def pages_for(length: int, page_size: int) -> int:
@@ -83,7 +85,7 @@ class PageTable:
         shared = src.pages[:num_full]
         copies: list[PageCopy] = []
         pages = list(shared)
-        if num_full < len(src.pages):
+        if src.length % self.page_size:  # pages past the length are reserved, not copied
             dst_page = self._allocate(1)[0]
             copies.append(PageCopy(src.pages[num_full], dst_page))
             pages.append(dst_page)
@@ -101,18 +103,33 @@ class PageTable:
             raise InvalidRequest(f"cannot extend by {num_tokens} tokens")
         if num_tokens == 0:
             return []
-        is_cow = ctx.length % self.page_size != 0 and self._refcount[ctx.pages[-1]] > 1
-        num_new = pages_for(ctx.length + num_tokens, self.page_size) - len(ctx.pages)
+        is_cow = self._partial_page_is_shared(ctx)
+        num_new = max(0, pages_for(ctx.length + num_tokens, self.page_size) - len(ctx.pages))
         fresh = self._allocate(num_new + int(is_cow))
         copies: list[PageCopy] = []
         if is_cow:
-            old, new = ctx.pages[-1], fresh.pop(0)
+            index = ctx.length // self.page_size
+            old, new = ctx.pages[index], fresh.pop(0)
             self._decref(old)
-            ctx.pages[-1] = new
+            ctx.pages[index] = new
             copies.append(PageCopy(old, new))
         ctx.pages.extend(fresh)
         ctx.length += num_tokens
         return copies
+
+    def reserve(self, context_id: int, num_slots: int) -> bool:
+        """Hold `num_slots` slots past the context's length without growing it (a staged
+        speculative write lands only in slots its context holds). False, changing nothing, when
+        that needs a copy-on-write or more pages than are free: speculation then just skips."""
+        ctx = self._get(context_id)
+        if self._partial_page_is_shared(ctx):
+            return False
+        num_new = pages_for(ctx.length + num_slots, self.page_size) - len(ctx.pages)
+        if num_new > len(self._free):
+            return False
+        if num_new > 0:
+            ctx.pages.extend(self._allocate(num_new))
+        return True
 
     def truncate(self, context_id: int, length: int) -> None:
         """Keep the first `length` slots; pages wholly past them go back to the pool."""
@@ -139,6 +156,11 @@ class PageTable:
         if ctx is None:
             raise ContextNotFound(context_id)
         return ctx
+
+    def _partial_page_is_shared(self, ctx: _ContextPages) -> bool:
+        if ctx.length % self.page_size == 0:
+            return False
+        return self._refcount[ctx.pages[ctx.length // self.page_size]] > 1
 
     def _allocate(self, count: int) -> list[int]:
         if count > len(self._free):

@@ -43,6 +43,8 @@ from host.errors import (
 )
 from host.pages import PageCopy, PageTable, copy_groups
 from host.pass_check import check_request
+from host.prefix import PrefixReuse
+from host.prefix_cache import PrefixCache
 from host.scheduler import Batch, PassLimits, PendingPass, Scheduler
 from host.services import ModelInfo, PassRequest, PassResult, Tokenizer
 from host.staging import Staging, shape_of
@@ -107,6 +109,12 @@ class Engine:
             prefix_match_unit=prefix_match_unit,
             speculation_depth=speculation_depth,
         )
+        if page_size:  # the configuration boundary: judged now against the size asked for, and
+            # again after the handshake against the size the driver resolved
+            try:
+                check_prefix_match_unit(prefix_match_unit, page_size, speculation_depth)
+            except ConfigError as exc:
+                raise InvalidRequest(f"configuration rejected: {exc}") from None
         spec = DriverSpec(driver, tuple(driver_args), driver_module, startup_timeout_s, hello)
         spec.kind  # noqa: B018 - validates the driver name before a thread starts
         engine = cls(spec, adapter_dir, max_fill_chunk_tokens)
@@ -154,6 +162,8 @@ class Engine:
             self._check_usable()
             context_id = next(self._context_ids)
             self._pages.create(context_id)
+            if self._prefix is not None:
+                self._prefix.on_create(context_id)
             self._owner[context_id] = run_id
             return context_id
 
@@ -166,6 +176,8 @@ class Engine:
             child = next(self._context_ids)
             # The partial page's Copy goes out before the next pass (the loop sends copies first).
             self._pending_copies += self._pages.fork(context_id, child)
+            if self._prefix is not None:
+                self._prefix.on_fork(context_id, child)
             self._owner[child] = run_id
         self._wake_loop()
         return child
@@ -181,6 +193,8 @@ class Engine:
             self._staging.invalidate(context_id)
             self._check_idle(run_id, context_id, "truncate")
             self._pages.truncate(context_id, length)
+            if self._prefix is not None:
+                self._prefix.on_truncate(context_id, length)
 
     def release_context(self, run_id: int, context_id: int) -> None:
         with self._lock:
@@ -210,12 +224,24 @@ class Engine:
                 # Served by a pre-fired pass: its slot, held already, becomes part of the context.
                 copies = self._pages.extend(context_id, 1)
                 assert not copies, "a staged slot needed a page copy"
+                if self._prefix is not None:
+                    self._prefix.record(context_id, list(shape.tokens), [shape.position], request.adapter_id, False)
                 if staged.result is not None:
                     self._staging.after_served(staged)
                     self._wake_loop()
                     return staged.result
                 staged.waiter = future
             else:
+                if self._prefix is not None:
+                    self._prefix.record(
+                        context_id,
+                        checked.tokens.tolist(),
+                        checked.positions.tolist(),
+                        request.adapter_id,
+                        checked.mask_rows is not None,
+                    )
+                    reused, checked = self._prefix.reuse(context_id, checked, request.adapter_id)
+                    kv_start += reused
                 self._pending_copies += self._pages.extend(context_id, len(checked.tokens))  # may raise OutOfPages
                 item = PendingPass(
                     ticket=next(self._tickets),
@@ -238,6 +264,11 @@ class Engine:
         """Hits, staged passes, misses and skips by reason (for benches and /metrics)."""
         with self._lock:
             return self._staging.stats()
+
+    def prefix_stats(self) -> dict[str, int]:
+        """Prefix-cache hits, tokens reused, evictions and cached pages (empty when off)."""
+        with self._lock:
+            return self._prefix.stats() if self._prefix is not None else {}
 
     def load_adapter(self, run_id: int, name: str) -> int:
         """Adapters stay loaded on the driver once loaded (a cache shared by runs); `end_run`
@@ -286,6 +317,8 @@ class Engine:
         """Passes whose results just came back (lock held): staged ones go to `host.staging`;
         cold ones to their waiters, and each plain decode's next step is pre-fired."""
         for item in finished:
+            if self._prefix is not None:
+                self._prefix.register_completed(item.context_id, item.kv_start + len(item.tokens))
             if self._staging.on_finished(item):
                 continue
             future = self._futures.pop(item.ticket, None)
@@ -324,6 +357,8 @@ class Engine:
         for item in self._scheduler.cancel(lambda p: p.context_id == context_id):
             self._fail_item(item, reason)
         self._pages.release(context_id)
+        if self._prefix is not None:
+            self._prefix.on_release(context_id)
         del self._owner[context_id]
 
     def _fail_item(self, item: PendingPass, error: HostError) -> None:
@@ -335,6 +370,8 @@ class Engine:
         end = item.kv_start + len(item.tokens)
         if self._pages.has(item.context_id) and self._pages.length(item.context_id) == end:
             self._pages.truncate(item.context_id, item.kv_start)
+            if self._prefix is not None:
+                self._prefix.on_truncate(item.context_id, item.kv_start)
 
     def _wake_loop(self) -> None:
         loop, wake = self._loop, self._wake
@@ -412,7 +449,15 @@ class Engine:
             stop_token_ids=tuple(int(t) for t in h.stop_token_ids),
             control_token_ids=tuple(int(t) for t in h.control_token_ids),
         )
-        self._pages = PageTable(h.num_pages, h.page_size)
+        unit = self._spec.hello.prefix_match_unit
+        if unit and unit != h.page_size:
+            raise InvalidRequest(
+                f"prefix_match_unit {unit} is sub-page: prefix reuse matches whole pages of the "
+                f"driver's resolved page size {h.page_size}"
+            )
+        cache = PrefixCache() if unit else None
+        self._pages = PageTable(h.num_pages, h.page_size, cache)
+        self._prefix = PrefixReuse(self._pages, cache) if cache is not None else None
         limits = PassLimits(
             max_requests_per_pass=h.max_requests_per_pass,
             max_tokens_per_pass=h.max_tokens_per_pass,

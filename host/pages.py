@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from host.errors import ContextNotFound, InvalidRequest, OutOfPages
+from host.prefix_cache import PrefixCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +39,7 @@ def pages_for(length: int, page_size: int) -> int:
 class PageTable:
     """Pages are numbered 0..num_pages-1. Every failing operation leaves the table unchanged."""
 
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, prefix_cache: PrefixCache | None = None) -> None:
         if num_pages < 0 or page_size <= 0:
             raise InvalidRequest(f"bad page pool: {num_pages} pages of {page_size} tokens")
         self.num_pages = num_pages
@@ -47,12 +48,19 @@ class PageTable:
         # A stack popped from the end: the lowest free page goes out first (deterministic ids).
         self._free = list(range(num_pages - 1, -1, -1))
         self._contexts: dict[int, _ContextPages] = {}
+        # Cached full pages hold one reference of their own (see host.prefix_cache).
+        self.prefix_cache = prefix_cache
 
     # ------------------------------------------------------------------ queries
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def num_available(self) -> int:
+        """Free pages plus cached pages no context holds (evicted on demand)."""
+        return len(self._free) + len(self._evictable())
 
     def refcount(self, page: int) -> int:
         return self._refcount[page]
@@ -125,10 +133,31 @@ class PageTable:
         if self._partial_page_is_shared(ctx):
             return False
         num_new = pages_for(ctx.length + num_slots, self.page_size) - len(ctx.pages)
-        if num_new > len(self._free):
+        if num_new > self.num_available:
             return False
         if num_new > 0:
             ctx.pages.extend(self._allocate(num_new))
+        return True
+
+    def adopt(self, context_id: int, pages: Sequence[int]) -> None:
+        """An empty context takes `pages` (full, cached pages) as its first slots."""
+        ctx = self._get(context_id)
+        if ctx.length or ctx.pages:
+            raise InvalidRequest(f"context {context_id} is not empty: it cannot adopt cached pages")
+        for page in pages:
+            self._refcount[page] += 1
+        ctx.pages = list(pages)
+        ctx.length = len(pages) * self.page_size
+
+    def register(self, context_id: int, index: int, key: bytes) -> bool:
+        """Name the context's full page `index` in the prefix cache (which then holds it too)."""
+        assert self.prefix_cache is not None
+        ctx = self._get(context_id)
+        assert (index + 1) * self.page_size <= ctx.length, "only full pages are cached"
+        page = ctx.pages[index]
+        if not self.prefix_cache.insert(key, page):
+            return False
+        self._refcount[page] += 1
         return True
 
     def truncate(self, context_id: int, length: int) -> None:
@@ -162,9 +191,21 @@ class PageTable:
             return False
         return self._refcount[ctx.pages[ctx.length // self.page_size]] > 1
 
+    def _evictable(self) -> list[int]:
+        if self.prefix_cache is None:
+            return []
+        return [p for p in self.prefix_cache.by_recency() if self._refcount[p] == 1]
+
     def _allocate(self, count: int) -> list[int]:
         if count > len(self._free):
-            raise OutOfPages(count, len(self._free), self.num_pages, self.page_size)
+            evictable = self._evictable()
+            if count > len(self._free) + len(evictable):
+                raise OutOfPages(count, len(self._free), self.num_pages, self.page_size)
+            assert self.prefix_cache is not None
+            for page in evictable[: count - len(self._free)]:  # least recently used first
+                self.prefix_cache.remove(page)
+                self.prefix_cache.evictions += 1
+                self._decref(page)
         taken = [self._free.pop() for _ in range(count)]
         for page in taken:
             self._refcount[page] = 1

@@ -15,6 +15,9 @@ def build_parser(listen_required: bool = True) -> argparse.ArgumentParser:
     add_serve_arguments(parser, listen_required)
     parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
     parser.add_argument("--page-size", type=int, default=defaults.page_size)
+    parser.add_argument(
+        "--min-page-size", type=int, default=defaults.min_page_size, help="resolve smaller page sizes up to this"
+    )
     parser.add_argument("--num-pages", type=int, default=defaults.num_pages)
     parser.add_argument("--max-context", type=int, default=defaults.max_context)
     parser.add_argument("--max-requests-per-pass", type=int, default=defaults.max_requests_per_pass)
@@ -38,6 +41,7 @@ def _config(args: argparse.Namespace) -> DummyConfig:
     return DummyConfig(
         vocab_size=args.vocab_size,
         page_size=args.page_size,
+        min_page_size=args.min_page_size,
         num_pages=args.num_pages,
         max_context=args.max_context,
         max_requests_per_pass=args.max_requests_per_pass,

@@ -45,6 +45,7 @@ CHATML_TEMPLATE = (
 class DummyConfig:
     vocab_size: int = 260
     page_size: int = 16
+    min_page_size: int = 1  # like a kernel's tile: a smaller request resolves to this
     num_pages: int = 4096
     max_context: int = 32768
     max_requests_per_pass: int = 256
@@ -77,7 +78,7 @@ class DummyDriver:
 
     def handshake(self, hello: Hello) -> Handshake:
         c = self.config
-        self.page_size = hello.page_size or c.page_size
+        self.page_size = max(hello.page_size or c.page_size, c.min_page_size)
         self.num_pages = hello.num_pages or c.num_pages
         try:
             check_prefix_match_unit(hello.prefix_match_unit, self.page_size, hello.speculation_depth)

@@ -56,40 +56,61 @@ def _counts(
     return counts
 
 
+_REQUEST_INDPTRS = ("token_indptr", "page_indptr", "mask_req_indptr", "out_indptr")
+
+
+def _request_counts(f: Forward, r: int) -> npt.NDArray[np.int64]:
+    """Counts per request of tokens, pages, mask rows and outputs ([4, R]), validating the four
+    request-indexed indptrs in one go; on any failure the per-array check names what is wrong."""
+    arrays = [getattr(f, name) for name in _REQUEST_INDPTRS]
+    data_lens = [len(f.tokens), len(f.pages), len(f.mask_row_indptr) - 1, len(f.out_rows)]
+    min_counts = (1, 1, 0, 0)
+    if all(len(a) == r + 1 for a in arrays):
+        wide = np.array(arrays, dtype=np.int64)
+        counts: npt.NDArray[np.int64] = wide[:, 1:] - wide[:, :-1]
+        ends = wide[:, [0, -1]].tolist()
+        mins = counts.min(axis=1).tolist()
+        if all(e == [0, n] and m >= lo for e, n, m, lo in zip(ends, data_lens, mins, min_counts, strict=True)):
+            return counts
+    for name, array, n, lo in zip(_REQUEST_INDPTRS, arrays, data_lens, min_counts, strict=True):
+        _counts(name, array, r, n, lo)
+    raise AssertionError("request indptrs failed together but not one by one")
+
+
 def check_forward(f: Forward, limits: Limits | None) -> None:
     r = len(f.context_ids)
     if r == 0:
         raise ShapeError("a forward carries at least one request", "context_ids")
     if len(f.adapter_ids) != r:
         raise ShapeError(f"has {len(f.adapter_ids)} entries for {r} requests", "adapter_ids")
-    if f.adapter_ids.min() < -1:
-        raise RangeError("adapter ids are >= 0, or -1 for the base model", "adapter_ids")
-    n_tokens = _counts("token_indptr", f.token_indptr, r, len(f.tokens), min_count=1)
     if len(f.positions) != len(f.tokens):
         raise ShapeError(f"has {len(f.positions)} entries for {len(f.tokens)} tokens", "positions")
-    n_pages = _counts("page_indptr", f.page_indptr, r, len(f.pages), min_count=1)
     if len(f.last_page_len) != r:
         raise ShapeError(f"has {len(f.last_page_len)} entries for {r} requests", "last_page_len")
-    if f.last_page_len.min() < 1:
-        raise RangeError("a last page holds at least one slot", "last_page_len")
     if len(f.mask_row_indptr) == 0:
         raise ShapeError("needs at least one entry (0 when there are no rows)", "mask_row_indptr")
-    n_rows = _counts("mask_req_indptr", f.mask_req_indptr, r, len(f.mask_row_indptr) - 1)
-    if ((n_rows != 0) & (n_rows != n_tokens)).any():
-        bad = int(np.argmax((n_rows != 0) & (n_rows != n_tokens)))
-        raise ShapeError(
-            f"request {bad} has {int(n_rows[bad])} mask rows for {int(n_tokens[bad])} tokens (0 = causal)",
-            "mask_req_indptr",
-        )
-    _counts("mask_row_indptr", f.mask_row_indptr, len(f.mask_row_indptr) - 1, len(f.mask_runs))
-    _check_outputs(f, n_tokens)
+    if f.adapter_ids.min() < -1:
+        raise RangeError("adapter ids are >= 0, or -1 for the base model", "adapter_ids")
+    if f.last_page_len.min() < 1:
+        raise RangeError("a last page holds at least one slot", "last_page_len")
+    n_tokens, n_pages, n_rows, n_out = _request_counts(f, r)
+    if len(f.mask_row_indptr) > 1:  # there are mask rows
+        if ((n_rows != 0) & (n_rows != n_tokens)).any():
+            bad = int(np.argmax((n_rows != 0) & (n_rows != n_tokens)))
+            raise ShapeError(
+                f"request {bad} has {int(n_rows[bad])} mask rows for {int(n_tokens[bad])} tokens (0 = causal)",
+                "mask_req_indptr",
+            )
+        _counts("mask_row_indptr", f.mask_row_indptr, len(f.mask_row_indptr) - 1, len(f.mask_runs))
+    elif f.mask_row_indptr[0] != 0 or len(f.mask_runs):
+        _counts("mask_row_indptr", f.mask_row_indptr, 0, len(f.mask_runs))
+    _check_outputs(f, n_tokens, n_out)
     if limits is not None:
         _check_limits(f, limits, n_tokens, n_pages, n_rows)
 
 
-def _check_outputs(f: Forward, n_tokens: npt.NDArray[np.int64]) -> None:
+def _check_outputs(f: Forward, n_tokens: npt.NDArray[np.int64], n_out: npt.NDArray[np.int64]) -> None:
     o = len(f.out_rows)
-    n_out = _counts("out_indptr", f.out_indptr, len(n_tokens), o)
     for name in _PER_OUTPUT:
         if len(getattr(f, name)) != o:
             raise ShapeError(f"has {len(getattr(f, name))} entries for {o} output rows", name)
@@ -104,7 +125,9 @@ def _check_outputs(f: Forward, n_tokens: npt.NDArray[np.int64]) -> None:
             raise ShapeError("rows of one request must be strictly increasing", "out_rows")
     # One combined test on the fast path; the per-field tests below only run to name the field.
     # Written so that NaN fails every comparison.
-    temperature_ok = (f.temperature > 0) | ((f.temperature == 0) & (f.sampler == SamplerKind.GREEDY))
+    temperature_ok = ((f.temperature > 0) & (f.temperature < np.inf)) | (
+        (f.temperature == 0) & (f.sampler == SamplerKind.GREEDY)
+    )
     ok = (
         (f.sampler <= max(SamplerKind))
         & temperature_ok
@@ -120,7 +143,7 @@ def _check_outputs(f: Forward, n_tokens: npt.NDArray[np.int64]) -> None:
         return
     for field, valid, message in (
         ("sampler", f.sampler <= max(SamplerKind), "unknown sampler kind"),
-        ("temperature", temperature_ok, "must be > 0 for random sampling (use greedy for 0)"),
+        ("temperature", temperature_ok, "must be finite and > 0 for random sampling (use greedy for 0)"),
         ("top_p", (f.top_p > 0) & (f.top_p <= 1), "must be in (0, 1]"),
         ("min_p", (f.min_p >= 0) & (f.min_p < 1), "must be in [0, 1)"),
         ("seed", f.seed >= -1, "must be >= 0, or -1 for unseeded"),

@@ -32,14 +32,15 @@ class Wire:
     dtype: str = ""  # numpy dtype for arrays, e.g. "<u4"
     int_range: str = "i64"  # for kind == "int"
     logprobs: bool = False  # float arrays of log-probabilities may hold -inf (never NaN or +inf)
+    range_checked: bool = False  # float array whose range check (in `checks`) also rejects NaN/inf
 
 
-def array_field(dtype: str, logprobs: bool = False) -> Any:
+def array_field(dtype: str, logprobs: bool = False, range_checked: bool = False) -> Any:
     """A numpy array field, empty by default (optional features are empty arrays)."""
     np_dtype = np.dtype(dtype)
     return dataclasses.field(
         default_factory=lambda: np.zeros(0, dtype=np_dtype),
-        metadata={"wire": Wire("array", dtype, logprobs=logprobs)},
+        metadata={"wire": Wire("array", dtype, logprobs=logprobs, range_checked=range_checked)},
     )
 
 
@@ -76,7 +77,7 @@ def field_decoder(wire: Wire, name: str) -> Callable[[Any], Any]:
     kind = wire.kind
     if kind == "array":
         dtype = np.dtype(wire.dtype)
-        itemsize, is_float = dtype.itemsize, dtype.kind == "f"
+        itemsize, is_float = dtype.itemsize, dtype.kind == "f" and not wire.range_checked
 
         def array(raw: Any) -> Any:
             if type(raw) is not bytes:

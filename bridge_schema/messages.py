@@ -127,10 +127,11 @@ class Forward(Message):
     out_indptr: U32 = array_field("<u4")  # [R+1] over output rows
     out_rows: U32 = array_field("<u4")  # [O] row index within its request, strictly increasing
     sampler: U8 = array_field("<u1")  # [O] SamplerKind
-    temperature: F32 = array_field("<f4")  # [O] > 0 for RANDOM
+    # The three sampler floats are range-checked in `checks`, which rejects NaN and infinity too.
+    temperature: F32 = array_field("<f4", range_checked=True)  # [O] > 0 for RANDOM
     top_k: U32 = array_field("<u4")  # [O] 0 = off
-    top_p: F32 = array_field("<f4")  # [O] in (0, 1], 1 = off
-    min_p: F32 = array_field("<f4")  # [O] in [0, 1), 0 = off
+    top_p: F32 = array_field("<f4", range_checked=True)  # [O] in (0, 1], 1 = off
+    min_p: F32 = array_field("<f4", range_checked=True)  # [O] in [0, 1), 0 = off
     seed: I64 = array_field("<i8")  # [O] -1 = unseeded; else the draw depends on (seed, position)
     probe: U8 = array_field("<u1")  # [O] Probe flags
     probe_k: U32 = array_field("<u4")  # [O] top-k size for LOGPROBS

@@ -11,19 +11,20 @@ import numpy.typing as npt
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
+_S11, _S27, _S30, _S31 = (np.uint64(n) for n in (11, 27, 30, 31))
 
 
 def _splitmix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    with np.errstate(over="ignore"):
-        z = x + _GOLDEN
-        z = (z ^ (z >> np.uint64(30))) * _M1
-        z = (z ^ (z >> np.uint64(27))) * _M2
-        return z ^ (z >> np.uint64(31))
+    # Wrapping uint64 array arithmetic is what we want (numpy only warns for scalars).
+    z = x + _GOLDEN
+    z = (z ^ (z >> _S30)) * _M1
+    z = (z ^ (z >> _S27)) * _M2
+    return z ^ (z >> _S31)
 
 
 def seeded_uniform(seeds: npt.ArrayLike, positions: npt.ArrayLike) -> npt.NDArray[np.float64]:
     """One uniform draw in [0, 1) per (seed, position) pair; seeds must be >= 0."""
-    s = np.asarray(seeds, dtype=np.int64).astype(np.uint64)
-    p = np.asarray(positions, dtype=np.int64).astype(np.uint64)
+    s = np.atleast_1d(np.asarray(seeds, dtype=np.int64)).astype(np.uint64)
+    p = np.atleast_1d(np.asarray(positions, dtype=np.int64)).astype(np.uint64)
     bits = _splitmix64(_splitmix64(s) ^ p)
-    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+    return (bits >> _S11).astype(np.float64) * (1.0 / (1 << 53))

@@ -35,6 +35,7 @@ from drivers.errors import ConfigRejected, RequestRejected
 # The byte tokenizer's special tokens follow the 256 byte tokens.
 ENDOFTEXT, IM_START, IM_END, PAD = 256, 257, 258, 259
 NUM_BYTE_TOKENS = 256
+_GREEDY = int(SamplerKind.GREEDY)
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -105,9 +106,10 @@ class DummyDriver:
     def forward(self, f: Forward) -> ForwardResult:
         if self.config.pass_latency_ms:
             time.sleep(self.config.pass_latency_ms / 1000)
-        bad = [int(a) for a in f.adapter_ids if a >= 0 and int(a) not in self._adapters]
-        if bad:
-            raise RequestRejected(f"adapter {bad[0]} is not loaded", "adapter_ids")
+        if (f.adapter_ids >= 0).any():
+            bad = [a for a in f.adapter_ids.tolist() if a >= 0 and a not in self._adapters]
+            if bad:
+                raise RequestRejected(f"adapter {bad[0]} is not loaded", "adapter_ids")
         vocab = self.config.vocab_size
         o = f.num_outputs
         # Global token row of each output: the request's first token index + its row.
@@ -118,7 +120,7 @@ class DummyDriver:
         seeded = f.seed >= 0
         if seeded.any():
             draws[seeded] = seeded_uniform(f.seed[seeded], positions[seeded])
-        greedy = f.sampler == SamplerKind.GREEDY
+        greedy = f.sampler == _GREEDY
         if greedy.any():
             draws[greedy] = seeded_uniform(f.tokens[rows][greedy], positions[greedy])
 

@@ -170,3 +170,11 @@ def test_oversized_frame_is_rejected_by_its_header() -> None:
 def test_garbage_payloads(payload: bytes) -> None:
     with pytest.raises(SchemaError):
         decode(payload)
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_sampler_floats_reject_nan_and_infinity(field: str, bad: float) -> None:
+    values = np.array([0.5, 0.5, 0.5], np.float32)
+    values[0] = bad
+    _expect(RangeError, field, _with(**{field: values}))

@@ -62,12 +62,18 @@ class RequestSpec:
     mask_rows: Sequence[Sequence[int]] | None = None  # BRLE runs per input row, None = causal
 
 
+_NO_IDS: npt.NDArray[np.uint32] = np.zeros(0, np.uint32)
+_NO_LOGPROBS: npt.NDArray[np.float32] = np.zeros(0, np.float32)
+_NO_IDS.flags.writeable = _NO_LOGPROBS.flags.writeable = False
+
+
 @dataclass(slots=True)
 class OutputResult:
     token: int
     logprob: float = 0.0
-    topk_ids: npt.NDArray[np.uint32] = field(default_factory=lambda: np.zeros(0, np.uint32))
-    topk_logprobs: npt.NDArray[np.float32] = field(default_factory=lambda: np.zeros(0, np.float32))
+    # Shared read-only empties: most outputs carry no probes, and allocating per output costs.
+    topk_ids: npt.NDArray[np.uint32] = field(default_factory=lambda: _NO_IDS)
+    topk_logprobs: npt.NDArray[np.float32] = field(default_factory=lambda: _NO_LOGPROBS)
     distribution: npt.NDArray[np.float32] | None = None
 
 
@@ -80,63 +86,89 @@ def _indptr(counts: Sequence[int]) -> npt.NDArray[np.uint32]:
 def _cat(parts: Sequence[object], dtype: type) -> npt.NDArray[Any]:
     if not parts:
         return np.zeros(0, dtype=dtype)
-    return np.concatenate([np.asarray(p, dtype=dtype) for p in parts])
+    if len(parts) == 1:
+        return np.asarray(parts[0], dtype=dtype)
+    # Converted in C, part by part; ranges are the decoder's job on the other side.
+    joined: npt.NDArray[Any] = np.concatenate(parts, dtype=dtype, casting="unsafe")  # type: ignore[call-overload]
+    return joined
+
+
+# The per-output fields of `Forward`, in the order `build_forward` gathers them: (field, dtype).
+_OUTPUT_COLUMNS: tuple[tuple[str, type], ...] = (
+    ("out_rows", np.uint32),
+    ("sampler", np.uint8),
+    ("temperature", np.float32),
+    ("top_k", np.uint32),
+    ("top_p", np.float32),
+    ("min_p", np.float32),
+    ("seed", np.int64),
+    ("probe", np.uint8),
+    ("probe_k", np.uint32),
+    ("logit_mask_index", np.int32),
+)
 
 
 def build_forward(request_id: int, requests: Sequence[RequestSpec]) -> Forward:
     """Pack `requests` into one batch-shaped `Forward`."""
     outputs = [o for r in requests for o in r.outputs]
-    masks = [o.logit_mask for o in outputs if o.logit_mask is not None]
-    mask_index, k = [], 0
+    masks: list[npt.NDArray[np.uint32]] = []
+    rows_of_outputs: list[tuple[Any, ...]] = []
     for o in outputs:
-        mask_index.append(-1 if o.logit_mask is None else k)
-        k += o.logit_mask is not None
-    rows = [row for r in requests if r.mask_rows is not None for row in r.mask_rows]
+        s = o.sampler
+        mask_index = -1
+        if o.logit_mask is not None:
+            mask_index = len(masks)
+            masks.append(o.logit_mask)
+        rows_of_outputs.append(
+            (o.row, s.kind, s.temperature, s.top_k, s.top_p, s.min_p, s.seed, o.probe, o.probe_k, mask_index)
+        )
+    columns = list(zip(*rows_of_outputs, strict=True)) if outputs else [()] * len(_OUTPUT_COLUMNS)
+    per_output: dict[str, npt.NDArray[Any]] = {
+        name: np.array(col, dtype=dtype) for (name, dtype), col in zip(_OUTPUT_COLUMNS, columns, strict=True)
+    }
+    mask_rows = [row for r in requests if r.mask_rows is not None for row in r.mask_rows]
+    per_request = [
+        (r.context_id, r.adapter_id, len(r.tokens), len(r.pages), r.last_page_len, len(r.outputs)) for r in requests
+    ]
+    context_ids, adapter_ids, n_tokens, n_pages, last_page_len, n_outputs = zip(*per_request, strict=True)
     return Forward(
         id=request_id,
-        context_ids=np.array([r.context_id for r in requests], dtype=np.uint32),
-        adapter_ids=np.array([r.adapter_id for r in requests], dtype=np.int32),
-        token_indptr=_indptr([len(r.tokens) for r in requests]),
+        context_ids=np.array(context_ids, dtype=np.uint32),
+        adapter_ids=np.array(adapter_ids, dtype=np.int32),
+        token_indptr=_indptr(n_tokens),
         tokens=_cat([r.tokens for r in requests], np.uint32),
         positions=_cat([r.positions for r in requests], np.uint32),
-        page_indptr=_indptr([len(r.pages) for r in requests]),
+        page_indptr=_indptr(n_pages),
         pages=_cat([r.pages for r in requests], np.uint32),
-        last_page_len=np.array([r.last_page_len for r in requests], dtype=np.uint32),
+        last_page_len=np.array(last_page_len, dtype=np.uint32),
         mask_req_indptr=_indptr([0 if r.mask_rows is None else len(r.mask_rows) for r in requests]),
-        mask_row_indptr=_indptr([len(row) for row in rows]),
-        mask_runs=_cat(rows, np.uint32),
-        out_indptr=_indptr([len(r.outputs) for r in requests]),
-        out_rows=np.array([o.row for o in outputs], dtype=np.uint32),
-        sampler=np.array([o.sampler.kind for o in outputs], dtype=np.uint8),
-        temperature=np.array([o.sampler.temperature for o in outputs], dtype=np.float32),
-        top_k=np.array([o.sampler.top_k for o in outputs], dtype=np.uint32),
-        top_p=np.array([o.sampler.top_p for o in outputs], dtype=np.float32),
-        min_p=np.array([o.sampler.min_p for o in outputs], dtype=np.float32),
-        seed=np.array([o.sampler.seed for o in outputs], dtype=np.int64),
-        probe=np.array([o.probe for o in outputs], dtype=np.uint8),
-        probe_k=np.array([o.probe_k for o in outputs], dtype=np.uint32),
-        logit_mask_index=np.array(mask_index, dtype=np.int32),
+        mask_row_indptr=_indptr([len(row) for row in mask_rows]),
+        mask_runs=_cat(mask_rows, np.uint32),
+        out_indptr=_indptr(n_outputs),
         logit_masks=_cat(masks, np.uint32),
+        **per_output,
     )
 
 
 def split_result(forward: Forward, result: ForwardResult) -> list[list[OutputResult]]:
     """Per request of `forward`, the results of its output rows in order."""
-    entries: list[OutputResult] = []
-    for i in range(len(result.tokens)):
-        k0, k1 = int(result.topk_indptr[i]), int(result.topk_indptr[i + 1])
-        d0, d1 = int(result.dist_indptr[i]), int(result.dist_indptr[i + 1])
-        entries.append(
+    tokens, logprobs = result.tokens.tolist(), result.logprobs.tolist()
+    if not len(result.topk_ids) and not len(result.dists):  # no probes: no slicing per output
+        entries = [OutputResult(t, lp) for t, lp in zip(tokens, logprobs, strict=True)]
+    else:
+        topk, dist = result.topk_indptr.tolist(), result.dist_indptr.tolist()
+        entries = [
             OutputResult(
-                token=int(result.tokens[i]),
-                logprob=float(result.logprobs[i]),
-                topk_ids=result.topk_ids[k0:k1],
-                topk_logprobs=result.topk_logprobs[k0:k1],
-                distribution=result.dists[d0:d1] if d1 > d0 else None,
+                token=tokens[i],
+                logprob=logprobs[i],
+                topk_ids=result.topk_ids[topk[i] : topk[i + 1]],
+                topk_logprobs=result.topk_logprobs[topk[i] : topk[i + 1]],
+                distribution=result.dists[dist[i] : dist[i + 1]] if dist[i + 1] > dist[i] else None,
             )
-        )
-    bounds = forward.out_indptr
-    return [entries[int(bounds[r]) : int(bounds[r + 1])] for r in range(forward.num_requests)]
+            for i in range(len(tokens))
+        ]
+    bounds = forward.out_indptr.tolist()
+    return [entries[bounds[r] : bounds[r + 1]] for r in range(len(bounds) - 1)]
 
 
 def logit_mask_words(vocab_size: int) -> int:

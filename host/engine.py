@@ -11,6 +11,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -80,6 +81,9 @@ class Engine:
         self._run_adapters: dict[int, set[int]] = {}
         self._adapter_lock = threading.Lock()
         self._num_in_flight = 0
+        self._schedule_s = 0.0  # building passes: scheduler + CSR packing (loop thread)
+        self._complete_s = 0.0  # routing results back to runs (loop thread)
+        self._num_passes = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._link: DriverLink | None = None
@@ -264,6 +268,17 @@ class Engine:
         """Hits, staged passes, misses and skips by reason (for benches and /metrics)."""
         with self._lock:
             return self._staging.stats()
+
+    def timing_stats(self) -> dict[str, float]:
+        """Cumulative seconds of host work by stage, and passes sent (for benchmarks)."""
+        client = self._link.client if self._link is not None else None
+        return {
+            "passes": float(self._num_passes),
+            "schedule_s": self._schedule_s,
+            "complete_s": self._complete_s,
+            "encode_s": client.encode_s if client is not None else 0.0,
+            "decode_s": client.decode_s if client is not None else 0.0,
+        }
 
     def prefix_stats(self) -> dict[str, int]:
         """Prefix-cache hits, tokens reused, evictions and cached pages (empty when off)."""
@@ -480,7 +495,9 @@ class Engine:
                     copies, self._pending_copies = self._pending_copies, []
                     batch = None
                     if self._num_in_flight < MAX_PASSES_IN_FLIGHT:
+                        t0 = time.perf_counter()
                         batch = self._scheduler.next_batch()
+                        self._schedule_s += time.perf_counter() - t0
                         if batch is None and self._num_in_flight == 0:
                             self._fail_unschedulable()
                     if batch is not None:
@@ -499,7 +516,10 @@ class Engine:
                             return
                 if batch is None:
                     break
+                t0 = time.perf_counter()
                 forward = build_forward(0, batch.specs())
+                self._schedule_s += time.perf_counter() - t0
+                self._num_passes += 1
                 try:
                     waiter = await link.submit(forward)
                 except BridgeError as exc:
@@ -539,10 +559,12 @@ class Engine:
         except BridgeError as exc:
             self._batch_failed(batch, DriverFailed(f"the driver link failed during a pass: {exc}"), True)
         else:
+            t0 = time.perf_counter()
             outputs = split_result(forward, result)
             with self._lock:
                 self._num_in_flight -= 1
                 self._on_finished(self._scheduler.complete(batch, outputs))
+            self._complete_s += time.perf_counter() - t0
         self._wake_here()
 
     def _batch_failed(self, batch: Batch, error: DriverFailed, is_link_lost: bool) -> None:

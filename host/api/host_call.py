@@ -1,0 +1,72 @@
+"""The one wrapper every host function goes through.
+
+It finds the calling run, stops a cancelled or over-budget run, re-arms the inactivity
+watchdog, and turns any unexpected Python exception into `wasmtime.WasmtimeError` (the only
+exception type wasmtime-py 50 delivers to the right thread; others can surface in another run).
+Expected failures are not exceptions: host functions return a WIT `result` error string.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+import wasmtime
+from wasmtime.component import Record, ResourceAny
+
+from host.sandbox.run_state import RunState, current
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_log = logging.getLogger("wafer.sandbox")
+
+
+def host_function(fn: Callable[Concatenate[RunState, P], R]) -> Callable[..., R]:
+    """Adapt `fn(run, *args)` to wasmtime's `(store, *args)` calling convention."""
+
+    @functools.wraps(fn)
+    def call(store: wasmtime.StoreContext, *args: P.args, **kwargs: P.kwargs) -> R:
+        run = current()
+        run.check_can_continue()
+        outer, run.call_context = run.call_context, store
+        try:
+            return fn(run, *args, **kwargs)
+        except wasmtime.WasmtimeError:
+            raise
+        except Exception as exc:  # the boundary: only WasmtimeError may cross it
+            _log.exception("[run %d] host function %s failed", run.run_id, fn.__name__)
+            raise wasmtime.WasmtimeError(f"host error in {fn.__name__}: {type(exc).__name__}: {exc}") from None
+        finally:
+            run.call_context = outer
+            run.rearm_watchdog()
+
+    return call
+
+
+def record(**fields: Any) -> Record:
+    """A WIT record value; Python names map to WIT's kebab-case field names."""
+    rec = Record()
+    for name, value in fields.items():
+        setattr(rec, name.replace("_", "-"), value)
+    return rec
+
+
+def field(rec: Any, name: str) -> Any:
+    """Field `name` (Python spelling) of a record that came from the guest."""
+    return getattr(rec, name.replace("_", "-"))
+
+
+def borrowed_rep(run: RunState, handle: ResourceAny) -> int:
+    """The host rep behind a `borrow<T>` argument."""
+    assert run.call_context is not None
+    rep: int = handle.to_host(run.call_context).rep
+    return rep
+
+
+def error_text(exc: BaseException) -> str:
+    """The message an inferlet sees for an expected failure."""
+    text = str(exc)
+    return text if text else type(exc).__name__

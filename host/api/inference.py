@@ -1,0 +1,253 @@
+"""`wafer:inferlet/inference`: the `forward-pass` resource, built up by the guest and executed
+through `Services.forward`.
+
+Issue [speculator] adds attention masks, logit masks and grammar matchers as further methods
+that fill more fields of `PassBuilder`, passed on in `_run_pass_raw` (`PassRequest.mask_rows`,
+`OutputSpec.logit_mask` already exist). `decode` stays the unconstrained one-token step.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import wasmtime
+from wasmtime.component import LinkerInstance, Record, ResourceAny, ResourceHost, ResourceType
+
+from bridge_schema.batch import OutputResult, OutputSpec, Sampler
+from bridge_schema.messages import Probe, SamplerKind
+from host.api import adapter as adapter_api
+from host.api.host_call import borrowed_rep, error_text, host_function, record
+from host.api.host_call import field as rec_field
+from host.errors import HostError
+from host.sandbox import raw_calls
+from host.sandbox.resources import ResourceKind
+from host.sandbox.run_state import RunState, current, current_or_none
+from host.services import PassRequest
+
+INTERFACE = "inference"
+KIND = ResourceKind.FORWARD_PASS
+# The hot one-token decode goes through a raw ctypes callback (see host.sandbox.raw_calls).
+USE_RAW_DECODE = True
+# Helper threads only wait on the engine; they never enter wasm.
+_MAX_HELPER_THREADS = 256
+
+_SAMPLER_KINDS = {"greedy": SamplerKind.GREEDY, "random": SamplerKind.RANDOM}
+_PROBES = {"logprobs": Probe.LOGPROBS, "distribution": Probe.DISTRIBUTION}
+
+
+@dataclass(slots=True)
+class PassBuilder:
+    """A forward pass as the guest configures it, bound to a context handle (by rep, so a pass on
+    a context that was dropped meanwhile fails cleanly at `execute`)."""
+
+    context_rep: int
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] | None = None
+    outputs: list[OutputSpec] = field(default_factory=list)
+    adapter_id: int = -1
+    is_executed: bool = False
+    submitted: Future[list[Record] | str] | None = None
+
+
+def _builder(run: RunState, handle: ResourceAny) -> PassBuilder:
+    value = run.resources.get(KIND, borrowed_rep(run, handle))
+    assert isinstance(value, PassBuilder)
+    return value
+
+
+def _sampler(rec: Any) -> Sampler:
+    kind = _SAMPLER_KINDS.get(str(rec_field(rec, "kind")))
+    if kind is None:
+        raise wasmtime.WasmtimeError(f"unknown sampler kind {rec_field(rec, 'kind')!r}")
+    return Sampler(
+        kind=kind,
+        temperature=float(rec_field(rec, "temperature")),
+        top_k=int(rec_field(rec, "top_k")),
+        top_p=float(rec_field(rec, "top_p")),
+        min_p=float(rec_field(rec, "min_p")),
+        seed=int(rec_field(rec, "seed")),
+    )
+
+
+def _probe(names: Any) -> Probe:
+    probe = Probe.NONE
+    for name in names or ():
+        probe |= _PROBES[str(name)]
+    return probe
+
+
+@host_function
+def new(run: RunState, ctx: ResourceAny) -> ResourceHost:
+    context_rep = borrowed_rep(run, ctx)
+    run.resources.get(ResourceKind.CONTEXT, context_rep)  # a live context, or a trap
+    return ResourceHost.own(run.resources.add(KIND, PassBuilder(context_rep)), int(KIND))
+
+
+@host_function
+def input_tokens(run: RunState, handle: ResourceAny, tokens: list[int]) -> None:
+    _builder(run, handle).tokens.extend(tokens)
+
+
+@host_function
+def input_positions(run: RunState, handle: ResourceAny, positions: list[int]) -> None:
+    builder = _builder(run, handle)
+    builder.positions = (builder.positions or []) + list(positions)
+
+
+@host_function
+def output(run: RunState, handle: ResourceAny, row: int, sampler: Any, probe: Any, probe_k: int) -> None:
+    spec = OutputSpec(row=row, sampler=_sampler(sampler), probe=_probe(probe), probe_k=probe_k)
+    _builder(run, handle).outputs.append(spec)
+
+
+@host_function
+def use_adapter(run: RunState, handle: ResourceAny, adapter_id: int) -> None:
+    try:
+        adapter = adapter_api.loaded_by_rep(run, adapter_id)
+    except KeyError:
+        raise wasmtime.WasmtimeError(f"no live adapter with id {adapter_id}") from None
+    _builder(run, handle).adapter_id = adapter.adapter_id
+
+
+def _validate(run: RunState, builder: PassBuilder) -> str | None:
+    if builder.is_executed:
+        return "this forward pass was already executed; create a new one"
+    if not builder.tokens:
+        return "a forward pass needs at least one input token"
+    vocab_size = run.services.model.vocab_size
+    if any(t >= vocab_size for t in builder.tokens):
+        return f"input token out of range (vocabulary size {vocab_size})"
+    if builder.positions is not None and len(builder.positions) != len(builder.tokens):
+        return f"{len(builder.positions)} positions given for {len(builder.tokens)} input tokens"
+    for spec in builder.outputs:
+        if spec.row >= len(builder.tokens):
+            return f"output row {spec.row} is outside the pass's {len(builder.tokens)} input tokens"
+    return None
+
+
+def _output_record(spec: OutputSpec, result: OutputResult) -> Record:
+    dist = result.distribution
+    return record(
+        row=spec.row,
+        token=int(result.token),
+        logprob=float(result.logprob),
+        topk_ids=[int(t) for t in result.topk_ids],
+        topk_logprobs=[float(p) for p in result.topk_logprobs],
+        distribution=[] if dist is None else [float(p) for p in dist],
+    )
+
+
+def _run_pass_raw(run: RunState, builder: PassBuilder) -> list[OutputResult] | str:
+    """Validate and run one pass; the engine's results, or the error the guest gets."""
+    problem = _validate(run, builder)
+    if problem is not None:
+        return problem
+    builder.is_executed = True
+    try:
+        ctx_value = run.resources.get(ResourceKind.CONTEXT, builder.context_rep)
+    except KeyError:
+        return "the forward pass's context was released"
+    assert isinstance(ctx_value, int)
+    request = PassRequest(
+        tokens=builder.tokens, positions=builder.positions, outputs=builder.outputs, adapter_id=builder.adapter_id
+    )
+    try:
+        return run.services.forward(run.run_id, ctx_value, request).outputs
+    except HostError as exc:  # out of pages, driver errors: the guest decides
+        return error_text(exc)
+
+
+def _run_pass(run: RunState, builder: PassBuilder) -> list[Record] | str:
+    """`_run_pass_raw` with WIT output records (on the run thread, or a helper for `submit`)."""
+    results = _run_pass_raw(run, builder)
+    if isinstance(results, str):
+        return results
+    return [_output_record(s, r) for s, r in zip(builder.outputs, results, strict=True)]
+
+
+@host_function
+def submit(run: RunState, handle: ResourceAny) -> None:
+    builder = _builder(run, handle)
+    if builder.submitted is None and not builder.is_executed:
+        # `Services.forward` blocks until its batch returns; a helper thread waits instead of the
+        # run, so the run can submit more passes and the engine batches them together.
+        builder.submitted = _helpers().submit(_run_pass, run, builder)
+
+
+@host_function
+def execute(run: RunState, handle: ResourceAny) -> list[Record] | str:
+    builder = _builder(run, handle)
+    try:
+        if builder.submitted is not None:
+            future, builder.submitted = builder.submitted, None
+            return future.result()
+        return _run_pass(run, builder)
+    finally:
+        run.check_can_continue()  # a run cancelled while its pass was in flight stops here
+
+
+def decode(run: RunState, ctx_rep: int, tokens: list[int], sampler: Sampler) -> int | str:
+    """`decode` for the stock path and the raw path alike."""
+    builder = PassBuilder(ctx_rep, tokens=tokens)
+    builder.outputs.append(OutputSpec(row=len(tokens) - 1, sampler=sampler))
+    try:
+        result = _run_pass_raw(run, builder)
+    finally:
+        run.check_can_continue()
+    return result if isinstance(result, str) else int(result[0].token)
+
+
+@host_function
+def decode_stock(run: RunState, ctx: ResourceAny, tokens: list[int], sampler: Any) -> int | str:
+    return decode(run, borrowed_rep(run, ctx), tokens, _sampler(sampler))
+
+
+def _decode_raw(context: Any, args: Any) -> Any:
+    run = current()
+    run.check_can_continue()
+    try:
+        kind, temperature, top_k, top_p, min_p, seed = raw_calls.record_values(args[2])
+        sampler_kind = _SAMPLER_KINDS.get(raw_calls.enum_name(kind))
+        if sampler_kind is None:
+            raise wasmtime.WasmtimeError("unknown sampler kind")
+        sampler = Sampler(sampler_kind, temperature.of.f32, top_k.of.u32, top_p.of.f32, min_p.of.f32, seed.of.s64)
+        result = decode(run, raw_calls.borrow_rep(context, args[0]), raw_calls.u32_list(args[1]), sampler)
+        return raw_calls.err_string(result) if isinstance(result, str) else raw_calls.ok_u32(result)
+    finally:
+        run.rearm_watchdog()
+
+
+_helper_pool: ThreadPoolExecutor | None = None
+_helper_lock = threading.Lock()
+
+
+def _helpers() -> ThreadPoolExecutor:
+    global _helper_pool
+    with _helper_lock:
+        if _helper_pool is None:
+            _helper_pool = ThreadPoolExecutor(max_workers=_MAX_HELPER_THREADS, thread_name_prefix="wafer-pass")
+        return _helper_pool
+
+
+def _drop(_store: wasmtime.StoreContext, rep: int) -> None:
+    run = current_or_none()
+    if run is not None:
+        run.resources.remove(KIND, rep)
+
+
+def register(instance: LinkerInstance) -> None:
+    instance.add_resource("forward-pass", ResourceType.host(int(KIND)), _drop)
+    instance.add_func("[constructor]forward-pass", new)
+    instance.add_func("[method]forward-pass.input-tokens", input_tokens)
+    instance.add_func("[method]forward-pass.input-positions", input_positions)
+    instance.add_func("[method]forward-pass.output", output)
+    instance.add_func("[method]forward-pass.use-adapter", use_adapter)
+    instance.add_func("[method]forward-pass.submit", submit)
+    instance.add_func("[method]forward-pass.execute", execute)
+    if USE_RAW_DECODE:
+        raw_calls.add_raw_func(instance, "decode", _decode_raw)
+    else:
+        instance.add_func("decode", decode_stock)

@@ -1,0 +1,42 @@
+"""Limits and locations of the sandbox, built once at the edge and passed down."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+MIB = 1024 * 1024
+
+
+def default_cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/wafer`, else `~/.cache/wafer`."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    return (Path(base) if base else Path.home() / ".cache") / "wafer"
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxConfig:
+    """Per-run limits. `inactivity_timeout_s` bounds guest time between two host calls (the epoch
+    watchdog); `wall_budget_s` bounds the whole run, host calls included."""
+
+    cache_dir: Path
+    memory_limit_bytes: int = 256 * MIB
+    inactivity_timeout_s: float = 5.0
+    wall_budget_s: float = 600.0
+    epoch_tick_s: float = 0.01
+
+    def __post_init__(self) -> None:
+        # componentize-py's CPython needs about 12.3 MiB before running a line of user code.
+        if self.memory_limit_bytes < 16 * MIB:
+            raise ValueError(f"memory_limit_bytes must be at least 16 MiB, got {self.memory_limit_bytes}")
+        if self.inactivity_timeout_s <= 0 or self.wall_budget_s <= 0 or self.epoch_tick_s <= 0:
+            raise ValueError("timeouts and the epoch tick must be positive")
+
+    @property
+    def compiled_dir(self) -> Path:
+        return self.cache_dir / "compiled"
+
+    def ticks(self, seconds: float) -> int:
+        """`seconds` as a whole number of epoch ticks (at least one)."""
+        return max(1, int(seconds / self.epoch_tick_s + 0.999))

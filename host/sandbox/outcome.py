@@ -1,0 +1,28 @@
+"""How a run ended, as the sandbox reports it to whoever started it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class RunStatus(enum.Enum):
+    OK = "ok"
+    GUEST_ERROR = "guest_error"  # the inferlet returned an error or raised
+    TRAPPED = "trapped"  # wasm trap: unreachable, stack overflow, out of memory...
+    TIMED_OUT = "timed_out"  # inactivity watchdog or wall-clock budget
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class RunOutcome:
+    run_id: int
+    status: RunStatus
+    output: str
+    error: str | None = None
+    stderr: str = ""
+    num_leaked_resources: int = 0
+
+    @property
+    def is_ok(self) -> bool:
+        return self.status is RunStatus.OK

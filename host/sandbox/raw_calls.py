@@ -1,0 +1,129 @@
+"""A raw ctypes path for the hottest host function, bypassing wasmtime-py's generic glue.
+
+Measured with the stock path: a one-token decode step spent most of its host time in
+wasmtime-py rebuilding the function's type objects and lifting the sampler record on every call
+(about 300 us a token on a 2-core machine; the guest and the engine call were a small part).
+Here the callback reads its arguments straight from the C values, with the layout fixed by the
+WIT signature it is registered for. The arguments stay owned by the caller, which drops them
+after the callback returns (wasmtime-py's glue nulls every pointer it takes for that reason):
+the handler only reads them, and must copy what it keeps.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Callable
+from ctypes import POINTER, byref
+from typing import Any
+
+import wasmtime
+from wasmtime import _ffi as ffi
+from wasmtime.component import LinkerInstance
+
+_log = logging.getLogger("wafer.sandbox")
+
+Val = Any  # ffi.wasmtime_component_val_t
+RawHandler = Callable[[Any, Any], Val | None]  # (context pointer, args array) -> result value
+
+
+def borrow_rep(context: Any, val: Val) -> int:
+    """The host rep of a `borrow<T>` argument of a host resource type."""
+    if val.kind != ffi.WASMTIME_COMPONENT_RESOURCE.value:
+        raise wasmtime.WasmtimeError("expected a resource handle")
+    host = POINTER(ffi.wasmtime_component_resource_host_t)()
+    error = ffi.wasmtime_component_resource_any_to_host(context, val.of.resource, byref(host))
+    if error:
+        raise wasmtime.WasmtimeError._from_ptr(error)
+    try:
+        rep: int = ffi.wasmtime_component_resource_host_rep(host)
+    finally:
+        ffi.wasmtime_component_resource_host_delete(host)
+    return rep
+
+
+def u32_list(val: Val) -> list[int]:
+    if val.kind != ffi.WASMTIME_COMPONENT_LIST.value:
+        raise wasmtime.WasmtimeError("expected a list")
+    data = val.of.list.data
+    return [data[i].of.u32 for i in range(val.of.list.size)]
+
+
+def record_values(val: Val) -> list[Val]:
+    """The field values of a record, in WIT declaration order (still owned by `val`)."""
+    if val.kind != ffi.WASMTIME_COMPONENT_RECORD.value:
+        raise wasmtime.WasmtimeError("expected a record")
+    data = val.of.record.data
+    return [data[i].val for i in range(val.of.record.size)]
+
+
+def enum_name(val: Val) -> str:
+    return ffi.to_str(val.of.enumeration)
+
+
+def ok_u32(value: int) -> Val:
+    inner = ffi.wasmtime_component_val_t()
+    inner.kind = ffi.WASMTIME_COMPONENT_U32
+    inner.of.u32 = value
+    out = ffi.wasmtime_component_val_t()
+    out.kind = ffi.WASMTIME_COMPONENT_RESULT
+    out.of.result.is_ok = True
+    out.of.result.val = ffi.wasmtime_component_val_new(byref(inner))
+    return out
+
+
+def err_string(message: str) -> Val:
+    inner = ffi.wasmtime_component_val_t()
+    inner.kind = ffi.WASMTIME_COMPONENT_STRING
+    inner.of.string = ffi.str_to_capi(message)
+    out = ffi.wasmtime_component_val_t()
+    out.kind = ffi.WASMTIME_COMPONENT_RESULT
+    out.of.result.is_ok = False
+    out.of.result.val = ffi.wasmtime_component_val_new(byref(inner))
+    return out
+
+
+def _error_pointer(message: str) -> int:
+    error = wasmtime.WasmtimeError(message)
+    pointer: int = ctypes.cast(error._consume(), ctypes.c_void_p).value or 0
+    return pointer
+
+
+# ctypes callbacks must outlive the Linker: wasmtime calls them until the process ends.
+_KEEP_ALIVE: list[Any] = []
+
+
+def _finalize_nothing(_env: Any) -> None:
+    return None
+
+
+_no_finalizer = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_finalize_nothing)
+
+
+def add_raw_func(instance: LinkerInstance, name: str, handler: RawHandler) -> None:
+    """Register `handler` for function `name`. It gets the call's context pointer and the raw
+    argument array; it returns the result value (or None for a function without one) and may
+    raise `wasmtime.WasmtimeError` to trap the guest. It must not free or keep the arguments."""
+
+    def callback(_env: Any, context: Any, _ty: Any, args: Any, _nargs: int, results: Any, nresults: int) -> int:
+        try:
+            value = handler(context, args)
+            if nresults:
+                if value is None:
+                    return _error_pointer(f"host function {name} returned no value")
+                ctypes.pointer(results[0])[0] = value
+            return 0
+        except wasmtime.WasmtimeError as exc:
+            return _error_pointer(str(exc))
+        except Exception as exc:  # nothing may unwind through a C callback
+            _log.exception("raw host function %s failed", name)
+            return _error_pointer(f"host error in {name}: {type(exc).__name__}: {exc}")
+
+    raw = ffi.wasmtime_component_func_callback_t(callback)
+    _KEEP_ALIVE.append(raw)
+    name_bytes = name.encode("utf-8")
+    error = ffi.wasmtime_component_linker_instance_add_func(
+        instance.ptr(), ctypes.create_string_buffer(name_bytes), len(name_bytes), raw, None, _no_finalizer
+    )
+    if error:
+        raise wasmtime.WasmtimeError._from_ptr(error)

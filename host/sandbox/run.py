@@ -1,0 +1,144 @@
+"""One run: its thread, its Store, and the bookkeeping when it ends however it ends."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import wasmtime
+from wasmtime.component import Component, Linker
+
+from host.errors import HostError
+from host.sandbox.guest_output import GuestStream
+from host.sandbox.outcome import RunOutcome, RunStatus
+from host.sandbox.resources import ResourceKind
+from host.sandbox.run_state import RunState, bind_current
+
+_log = logging.getLogger("wafer.sandbox")
+
+EXPORT_NAME = "run"
+
+
+class Run:
+    """Runs `component` on its own thread; `outcome` is set exactly once, when the thread ends."""
+
+    def __init__(self, state: RunState, engine: wasmtime.Engine, linker: Linker, component: Component) -> None:
+        self.state = state
+        self._engine = engine
+        self._linker = linker
+        self._component = component
+        self._done = threading.Event()
+        self._outcome: RunOutcome | None = None
+        self._stdout = GuestStream(state.run_id, "stdout", keep=False)
+        self._stderr = GuestStream(state.run_id, "stderr", keep=True)
+        self._thread = threading.Thread(target=self._main, name=f"wafer-run-{state.run_id}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait(self, timeout_s: float | None = None) -> RunOutcome | None:
+        self._done.wait(timeout_s)
+        return self._outcome
+
+    @property
+    def is_done(self) -> bool:
+        return self._done.is_set()
+
+    def _main(self) -> None:
+        bind_current(self.state)
+        status, error = RunStatus.OK, None
+        try:
+            status, error = self._execute()
+        except Exception as exc:  # the run thread must always report an outcome
+            _log.exception("[run %d] sandbox failure", self.state.run_id)
+            status, error = RunStatus.TRAPPED, f"sandbox failure: {type(exc).__name__}: {exc}"
+        finally:
+            self._stdout.flush()
+            self._stderr.flush()
+            num_leaked = self._free_resources()
+            self.state.store = None
+            bind_current(None)
+            output = getattr(self.state.io, "output", "")
+            self._outcome = RunOutcome(
+                run_id=self.state.run_id,
+                status=status,
+                output=output if isinstance(output, str) else "",
+                error=error,
+                stderr=self._stderr.text,
+                num_leaked_resources=num_leaked,
+            )
+            self._done.set()
+
+    def _new_store(self) -> wasmtime.Store:
+        store = wasmtime.Store(self._engine)
+        store.set_limits(memory_size=self.state.config.memory_limit_bytes)
+        wasi = wasmtime.WasiConfig()  # no preopens, no env, no args; sockets are denied
+        wasi.stdout_custom = self._stdout.write
+        wasi.stderr_custom = self._stderr.write
+        store.set_wasi(wasi)
+        return store
+
+    def _execute(self) -> tuple[RunStatus, str | None]:
+        state = self.state
+        if state.cancel_requested.is_set():
+            return RunStatus.CANCELLED, "cancelled before it started"
+        store = self._new_store()
+        state.store = store
+        state.rearm_watchdog()
+        try:
+            instance = self._linker.instantiate(store, self._component)
+            run_fn = instance.get_func(store, EXPORT_NAME)
+            if run_fn is None:
+                return RunStatus.TRAPPED, f"the component exports no `{EXPORT_NAME}` function"
+            result = run_fn(store)
+            run_fn.post_return(store)
+        except wasmtime.WasmtimeError as exc:
+            return self._classify_failure(exc)
+        if isinstance(result, str):
+            return RunStatus.GUEST_ERROR, result
+        return RunStatus.OK, None
+
+    def _classify_failure(self, exc: wasmtime.WasmtimeError) -> tuple[RunStatus, str]:
+        state = self.state
+        message = str(exc)
+        if state.stop_reason == "cancelled" or state.cancel_requested.is_set():
+            return RunStatus.CANCELLED, "cancelled"
+        if state.stop_reason is not None:
+            return RunStatus.TIMED_OUT, state.stop_reason
+        if "interrupt" in message:
+            if state.remaining_s() <= 0:
+                return RunStatus.TIMED_OUT, f"wall-clock budget of {state.config.wall_budget_s:g} s exhausted"
+            return RunStatus.TIMED_OUT, (
+                f"guest ran {state.config.inactivity_timeout_s:g} s without calling the host (watchdog)"
+            )
+        _log.info("[run %d] trapped: %s", state.run_id, message)
+        stderr = self._stderr.text.strip()
+        detail = f"\n--- guest stderr ---\n{stderr}" if stderr else ""
+        return RunStatus.TRAPPED, f"{_trap_headline(message)}{detail}"
+
+    def _free_resources(self) -> int:
+        """Release what the guest still holds; the engine's `end_run` then frees the rest."""
+        state = self.state
+        leaked = state.resources.drain()
+        for slot in leaked:
+            if slot.kind is ResourceKind.CONTEXT:
+                assert isinstance(slot.value, int)
+                try:
+                    state.services.release_context(state.run_id, slot.value)
+                except HostError as exc:  # already gone (a cancel ended the run): keep freeing
+                    _log.debug("[run %d] freeing leaked context: %s", state.run_id, exc)
+        try:
+            state.services.end_run(state.run_id)
+        except HostError as exc:
+            _log.warning("[run %d] end_run failed: %s", state.run_id, exc)
+        if leaked:
+            _log.info("[run %d] freed %d resources the guest left behind", state.run_id, len(leaked))
+        return len(leaked)
+
+
+def _trap_headline(message: str) -> str:
+    """wasmtime's trap text is a long wasm backtrace followed by "Caused by:" and the cause;
+    the cause is what a user needs (the full text goes to the log)."""
+    _, sep, cause = message.rpartition("Caused by:")
+    lines = [line.strip() for line in (cause if sep else message).splitlines() if line.strip()]
+    return "; ".join(lines[:3]) if lines else "wasm trap"

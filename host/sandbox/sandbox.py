@@ -1,0 +1,130 @@
+"""The sandbox facade: load components, start runs, cancel them, wait for their outcomes."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from wasmtime.component import Component
+
+from host.errors import HostError
+from host.sandbox import wasmtime_threads
+from host.sandbox.compile_cache import CompileCache
+from host.sandbox.config import SandboxConfig
+from host.sandbox.engine import EpochTicker, new_engine
+from host.sandbox.linker import new_linker
+from host.sandbox.outcome import RunOutcome
+from host.sandbox.run import Run
+from host.sandbox.run_io import BufferedRunIO, RunIO
+from host.sandbox.run_state import RunState
+from host.services import Services
+
+_log = logging.getLogger("wafer.sandbox")
+
+# Run ids scope ownership in the engine; unique per process even with several sandboxes.
+_run_ids = itertools.count(1)
+_run_ids_lock = threading.Lock()
+
+
+def _next_run_id() -> int:
+    with _run_ids_lock:
+        return next(_run_ids)
+
+
+class RunHandle:
+    def __init__(self, run: Run) -> None:
+        self._run = run
+
+    @property
+    def run_id(self) -> int:
+        return self._run.state.run_id
+
+    @property
+    def io(self) -> RunIO:
+        return self._run.state.io
+
+    @property
+    def is_done(self) -> bool:
+        return self._run.is_done
+
+    def cancel(self) -> None:
+        """Stop the run at its next host call (a guest spinning in wasm is stopped by the
+        watchdog). Ending the run in the engine at once frees its pages and fails any pass it is
+        waiting for, so a run blocked in a forward pass stops without waiting for the driver."""
+        state = self._run.state
+        if state.cancel_requested.is_set() or self._run.is_done:
+            return
+        state.cancel_requested.set()
+        try:
+            state.services.end_run(state.run_id)
+        except HostError as exc:
+            _log.warning("[run %d] ending the run in the engine on cancel failed: %s", state.run_id, exc)
+
+    def wait(self, timeout_s: float | None = None) -> RunOutcome:
+        outcome = self._run.wait(timeout_s)
+        if outcome is None:
+            raise TimeoutError(f"run {self.run_id} still running after {timeout_s} s")
+        return outcome
+
+
+class Sandbox:
+    """One Engine, one Linker and one compile cache, shared by every run."""
+
+    def __init__(self, config: SandboxConfig) -> None:
+        wasmtime_threads.install()
+        self.config = config
+        self._engine = new_engine()
+        self._linker = new_linker(self._engine)
+        self._cache = CompileCache(self._engine, config.compiled_dir)
+        self._ticker = EpochTicker(self._engine, config)
+        self._ticker.start()
+
+    def close(self) -> None:
+        self._ticker.stop()
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def load(self, wasm_path: Path) -> Component:
+        """Compile (or fetch from the cache) the component at `wasm_path`."""
+        return self._cache.load(wasm_path)
+
+    def start(
+        self,
+        component: Component,
+        services: Services,
+        args: Sequence[str] = (),
+        io: RunIO | None = None,
+        config: SandboxConfig | None = None,
+    ) -> RunHandle:
+        """Start a run on its own thread; `config` overrides this sandbox's limits for this run
+        (the epoch tick is the sandbox's)."""
+        state = RunState(
+            run_id=_next_run_id(),
+            args=list(args),
+            services=services,
+            io=io if io is not None else BufferedRunIO(),
+            config=config if config is not None else self.config,
+            started_at_s=time.monotonic(),
+        )
+        run = Run(state, self._engine, self._linker, component)
+        run.start()
+        return RunHandle(run)
+
+    def run(
+        self,
+        component: Component,
+        services: Services,
+        args: Sequence[str] = (),
+        io: RunIO | None = None,
+        config: SandboxConfig | None = None,
+    ) -> RunOutcome:
+        """Start a run and wait for its outcome."""
+        return self.start(component, services, args, io, config).wait()

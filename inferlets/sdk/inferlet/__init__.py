@@ -1,0 +1,51 @@
+"""The wafer inferlet SDK: write `def main(args: list[str]) -> None` in your inferlet's `app.py`
+and drive generation with `Context`.
+
+    from inferlet import Context, Greedy, emit
+
+    def main(args: list[str]) -> None:
+        ctx = Context()
+        ctx.fill("Hello")
+        for text in ctx.generate_text(max_tokens=16):
+            emit(text)
+
+Import everything at module top level: the build snapshots the interpreter after importing your
+module, and modules first imported at run time may not exist.
+"""
+
+from inferlet.adapter import Adapter, AdapterError
+from inferlet.arguments import ArgumentParser
+from inferlet.context import Context, InferenceError, TokenChoice, decode_steps, top_k_all
+from inferlet.errors import InferletError
+from inferlet.model import ChatMessage, ModelInfo, detokenize, model_info, render_chat, tokenize
+from inferlet.runtime import args, emit, log, receive, run_id, send
+from inferlet.sampling import Greedy, Random, Sampler
+from inferlet.text import TextDecoder
+
+__all__ = [
+    "Adapter",
+    "AdapterError",
+    "ArgumentParser",
+    "ChatMessage",
+    "Context",
+    "Greedy",
+    "InferenceError",
+    "InferletError",
+    "ModelInfo",
+    "Random",
+    "Sampler",
+    "TextDecoder",
+    "TokenChoice",
+    "args",
+    "decode_steps",
+    "detokenize",
+    "emit",
+    "log",
+    "model_info",
+    "receive",
+    "render_chat",
+    "run_id",
+    "send",
+    "tokenize",
+    "top_k_all",
+]

@@ -1,0 +1,231 @@
+"""`Context`: a token sequence with its KV cache on the host, and the ways to extend it.
+
+The host's KV holds the *committed* tokens. Tokens given to `fill` and the last sampled token
+are *pending*: they enter the KV with the next forward pass, whose last row predicts the next
+token. `tokens` is always committed + pending.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from componentize_py_types import Err
+from wit_world.imports import context as _ctx
+from wit_world.imports import inference as _inf
+
+from inferlet.adapter import Adapter
+from inferlet.model import model_info, tokenize
+from inferlet.sampling import Greedy, Sampler
+from inferlet.text import TextDecoder
+
+_NO_PROBE = _inf.Probe(0)
+GREEDY = Greedy()
+
+
+class InferenceError(Exception):
+    """The host refused or failed a context operation (out of pages, bad input, driver error)."""
+
+
+@dataclass(frozen=True)
+class TokenChoice:
+    token: int
+    logprob: float
+
+
+def _call(fn, *args):  # type: ignore[no-untyped-def]
+    try:
+        return fn(*args)
+    except Err as e:
+        raise InferenceError(str(e.value)) from None
+
+
+class Context:
+    """A context on the host. Release it with `release()` or a `with` block when done (the host
+    also frees whatever a run leaves behind when it ends)."""
+
+    def __init__(self, _handle: _ctx.Context | None = None, _tokens: list[int] | None = None, _committed: int = 0):
+        self._handle = _handle if _handle is not None else _call(_ctx.Context.create)
+        self._tokens: list[int] = list(_tokens or [])
+        self._committed = _committed
+        self.adapter: Adapter | None = None
+        """When set, every later pass of this context runs through this LoRA adapter."""
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every token of the context: committed and pending."""
+        return list(self._tokens)
+
+    @property
+    def pending(self) -> list[int]:
+        return self._tokens[self._committed :]
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Free the context's pages now. The object is unusable afterwards."""
+        if self._handle is not None:
+            self._handle.__exit__(None, None, None)
+            self._handle = None
+
+    def _live(self) -> _ctx.Context:
+        if self._handle is None:
+            raise InferenceError("this context was released")
+        return self._handle
+
+    # -- building ----------------------------------------------------------------------------
+
+    def fill(self, text_or_tokens: str | Iterable[int]) -> None:
+        """Append a prompt (text is tokenized by the model's tokenizer). Nothing runs until the
+        next `flush`, `decode_step`, `generate` or `fork`."""
+        new = tokenize(text_or_tokens) if isinstance(text_or_tokens, str) else [int(t) for t in text_or_tokens]
+        vocab = model_info().vocab_size
+        if any(t < 0 or t >= vocab for t in new):
+            raise InferenceError(f"token out of range for a vocabulary of {vocab}")
+        self._tokens.extend(new)
+
+    def flush(self) -> None:
+        """Run every pending token but the last through the model, so they are in the KV (and
+        shared by forks). The last stays pending: it is the input that predicts the next token."""
+        todo = self.pending[:-1]
+        if todo:
+            self._forward(todo, outputs=())
+            self._committed += len(todo)
+
+    def fork(self) -> Context:
+        """A new context with the same tokens. Full KV pages are shared, not copied."""
+        self.flush()
+        handle = _call(self._live().fork)
+        child = Context(handle, self._tokens, self._committed)
+        child.adapter = self.adapter
+        return child
+
+    def truncate(self, length: int) -> None:
+        """Keep only the first `length` tokens (rewind)."""
+        if not 0 <= length <= len(self._tokens):
+            raise InferenceError(f"cannot truncate a context of {len(self._tokens)} tokens to {length}")
+        if length <= self._committed and self._committed > 0:
+            # The token at length-1 must be re-fed as pending: it predicts what comes next.
+            committed = max(length - 1, 0)
+            _call(self._live().truncate, committed)
+            self._committed = committed
+        del self._tokens[length:]
+
+    # -- running -----------------------------------------------------------------------------
+
+    def _forward(self, tokens: list[int], outputs: Iterable[tuple[int, Sampler, _inf.Probe, int]]) -> list[_inf.Output]:
+        with _inf.ForwardPass(self._live()) as fp:
+            fp.input_tokens(tokens)
+            if self.adapter is not None:
+                fp.use_adapter(self.adapter.id)
+            for row, sampler, probe, k in outputs:
+                fp.output(row, sampler.to_wit(), probe, k)
+            return _call(fp.execute)
+
+    def _pending_pass(self, sampler: Sampler, probe: _inf.Probe, k: int) -> _inf.ForwardPass:
+        """A configured, not yet executed pass over the pending tokens, sampling the last row."""
+        todo = self.pending
+        if not todo:
+            raise InferenceError("nothing to predict from: fill() the context first")
+        fp = _inf.ForwardPass(self._live())
+        fp.input_tokens(todo)
+        if self.adapter is not None:
+            fp.use_adapter(self.adapter.id)
+        fp.output(len(todo) - 1, sampler.to_wit(), probe, k)
+        return fp
+
+    def _run_pending(self, sampler: Sampler, probe: _inf.Probe, k: int) -> _inf.Output:
+        with self._pending_pass(sampler, probe, k) as fp:
+            (out,) = _call(fp.execute)
+        self._committed = len(self._tokens)
+        return out
+
+    def decode_step(self, sampler: Sampler = GREEDY) -> int:
+        """Run the pending tokens and sample the next token, which becomes pending."""
+        todo = self.pending
+        if not todo:
+            raise InferenceError("nothing to predict from: fill() the context first")
+        if self.adapter is None:
+            token = _call(_inf.decode, self._live(), todo, sampler.to_wit())
+            self._committed = len(self._tokens)
+        else:  # the one-call `decode` has no adapter: use a full forward pass
+            token = self._run_pending(sampler, _NO_PROBE, 0).token
+        self._tokens.append(token)
+        return token
+
+    def top_k(self, k: int) -> list[TokenChoice]:
+        """Run the pending tokens and return the `k` most likely next tokens with their
+        logprobs, best first. No token is appended: `fill` the one you choose."""
+        out = self._run_pending(Greedy(), _inf.Probe.LOGPROBS, k)
+        return [TokenChoice(int(t), float(p)) for t, p in zip(out.topk_ids, out.topk_logprobs, strict=True)]
+
+    def generate(self, max_tokens: int, stop: Iterable[int] | None = None, sampler: Sampler = GREEDY) -> Iterator[int]:
+        """Sample up to `max_tokens` tokens, yielding each. Stops early at a token in `stop`
+        (default: the model's stop tokens), which is appended but not yielded."""
+        stop_set = set(model_info().stop_tokens if stop is None else stop)
+        for _ in range(max_tokens):
+            token = self.decode_step(sampler)
+            if token in stop_set:
+                return
+            yield token
+
+    def generate_text(
+        self, max_tokens: int, stop: Iterable[int] | None = None, sampler: Sampler = GREEDY
+    ) -> Iterator[str]:
+        """Like `generate`, yielding printable text pieces instead of tokens."""
+        decoder = TextDecoder()
+        for token in self.generate(max_tokens, stop, sampler):
+            piece = decoder.push(token)
+            if piece:
+                yield piece
+
+
+def _run_all(contexts: list[Context], sampler: Sampler, probe: _inf.Probe, k: int) -> list[_inf.Output]:
+    if len({id(c) for c in contexts}) != len(contexts):
+        raise InferenceError("each context may appear only once")
+    passes = [c._pending_pass(sampler, probe, k) for c in contexts]
+    try:
+        for fp in passes:
+            fp.submit()
+        results = []
+        for fp in passes:  # wait for every pass, even after a failure, so none is left running
+            try:
+                results.append(fp.execute())
+            except Err as e:
+                results.append(e)
+    finally:
+        for fp in passes:
+            fp.__exit__(None, None, None)
+    outputs = []
+    for ctx, result in zip(contexts, results, strict=True):
+        if isinstance(result, Err):
+            raise InferenceError(str(result.value))
+        ctx._committed = len(ctx._tokens)
+        outputs.append(result[0])
+    return outputs
+
+
+def decode_steps(contexts: list[Context], sampler: Sampler = GREEDY) -> list[int]:
+    """`decode_step` on several contexts at once: their passes share device passes instead of
+    running one after another. Returns one token per context, in order."""
+    tokens = [int(out.token) for out in _run_all(contexts, sampler, _NO_PROBE, 0)]
+    for ctx, token in zip(contexts, tokens, strict=True):
+        ctx._tokens.append(token)
+    return tokens
+
+
+def top_k_all(contexts: list[Context], k: int) -> list[list[TokenChoice]]:
+    """`top_k` on several contexts at once (see `decode_steps`)."""
+    return [
+        [TokenChoice(int(t), float(p)) for t, p in zip(out.topk_ids, out.topk_logprobs, strict=True)]
+        for out in _run_all(contexts, Greedy(), _inf.Probe.LOGPROBS, k)
+    ]

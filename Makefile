@@ -23,6 +23,11 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 run: $(STAMP)
+	@echo "==> wafer run text_completion on the dummy driver"
+	@echo "    (the dummy driver computes nothing: its tokens are uniformly random bytes)"
+	$(VENV)/bin/wafer run text_completion --verbose -- --prompt "Once upon a time" --max-tokens 48
+	@echo
+	@echo "==> the bridge underneath: the dummy driver driven directly"
 	$(PY) examples/drive_dummy.py
 
 lint: $(STAMP)

@@ -73,7 +73,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     try:
-        with Sandbox(config) as sandbox, Engine.start(driver=ns.driver) as engine:
+        engine_start = Engine.start(driver=ns.driver, driver_args=ns.driver_arg, speculation_depth=ns.speculation_depth)
+        with Sandbox(config) as sandbox, engine_start as engine:
             component = sandbox.load(wasm_path)
             handle = sandbox.start(component, engine, args, io=BufferedRunIO(on_chunk=write))
             try:
@@ -116,6 +117,16 @@ def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         "--driver",
         default="dummy",
         help="dummy or torch (a subprocess), loopback (in-process), unix:PATH or tcp:HOST:PORT (default: dummy)",
+    )
+    p_run.add_argument(
+        "--driver-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an argument for the driver process, repeatable (e.g. --driver-arg=--model --driver-arg=smollm2)",
+    )
+    p_run.add_argument(
+        "--speculation-depth", type=int, default=1, help="pre-fired decode steps per context, 0 = off (default: 1)"
     )
     p_run.add_argument("--memory-mib", type=int, default=256, help="guest memory cap (default: 256)")
     p_run.add_argument("--timeout-s", type=float, default=600.0, help="wall-clock budget of the run")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -29,6 +30,7 @@ def host_function(fn: Callable[Concatenate[RunState, P], R]) -> Callable[..., R]
 
     @functools.wraps(fn)
     def call(store: wasmtime.StoreContext, *args: P.args, **kwargs: P.kwargs) -> R:
+        started_s = time.perf_counter()
         run = current()
         run.check_can_continue()
         outer, run.call_context = run.call_context, store
@@ -42,6 +44,7 @@ def host_function(fn: Callable[Concatenate[RunState, P], R]) -> Callable[..., R]
         finally:
             run.call_context = outer
             run.rearm_watchdog()
+            run.note_host_call(started_s)
 
     return call
 

@@ -9,6 +9,7 @@ that fill more fields of `PassBuilder`, passed on in `_run_pass_raw` (`PassReque
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,10 +155,13 @@ def _run_pass_raw(run: RunState, builder: PassBuilder) -> list[OutputResult] | s
     request = PassRequest(
         tokens=builder.tokens, positions=builder.positions, outputs=builder.outputs, adapter_id=builder.adapter_id
     )
+    started_s = time.perf_counter()
     try:
         return run.services.forward(run.run_id, ctx_value, request).outputs
     except HostError as exc:  # out of pages, driver errors: the guest decides
         return error_text(exc)
+    finally:
+        run.forward_wait_s += time.perf_counter() - started_s
 
 
 def _run_pass(run: RunState, builder: PassBuilder) -> list[Record] | str:
@@ -206,6 +210,7 @@ def decode_stock(run: RunState, ctx: ResourceAny, tokens: list[int], sampler: An
 
 
 def _decode_raw(context: Any, args: Any) -> Any:
+    started_s = time.perf_counter()
     run = current()
     run.check_can_continue()
     try:
@@ -218,6 +223,7 @@ def _decode_raw(context: Any, args: Any) -> Any:
         return raw_calls.err_string(result) if isinstance(result, str) else raw_calls.ok_u32(result)
     finally:
         run.rearm_watchdog()
+        run.note_host_call(started_s)
 
 
 _helper_pool: ThreadPoolExecutor | None = None

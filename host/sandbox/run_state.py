@@ -38,6 +38,31 @@ class RunState:
     # only raise a bare WasmtimeError across the boundary.
     stop_reason: str | None = None
     stderr_chunks: list[bytes] = field(default_factory=list)
+    # Where the run's time goes (benchmarks): host calls made, seconds inside host functions,
+    # seconds of those spent waiting for forward passes, and when the first host call came.
+    # Updated without a lock: `submit` helpers may add to forward_wait_s concurrently, and a
+    # lost update only blurs a statistic.
+    num_host_calls: int = 0
+    host_call_s: float = 0.0
+    forward_wait_s: float = 0.0
+    first_host_call_at_s: float = 0.0
+
+    def note_host_call(self, started_s: float) -> None:
+        """Account one host call that began at perf_counter `started_s`."""
+        if not self.num_host_calls:
+            self.first_host_call_at_s = time.monotonic()
+        self.num_host_calls += 1
+        self.host_call_s += time.perf_counter() - started_s
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "num_host_calls": float(self.num_host_calls),
+            "host_call_s": self.host_call_s,
+            "forward_wait_s": self.forward_wait_s,
+            "start_to_first_host_call_s": (
+                self.first_host_call_at_s - self.started_at_s if self.num_host_calls else float("nan")
+            ),
+        }
 
     @property
     def deadline_s(self) -> float:

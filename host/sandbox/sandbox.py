@@ -64,6 +64,10 @@ class RunHandle:
         except HostError as exc:
             _log.warning("[run %d] ending the run in the engine on cancel failed: %s", state.run_id, exc)
 
+    def stats(self) -> dict[str, float]:
+        """Host calls, seconds in host functions and waiting for passes, start to first call."""
+        return self._run.state.stats()
+
     def wait(self, timeout_s: float | None = None) -> RunOutcome:
         outcome = self._run.wait(timeout_s)
         if outcome is None:

@@ -11,6 +11,9 @@ def parse(args: list[str]):
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=-1)
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    parser.add_argument(
+        "--ignore-eos", action="store_true", help="generate --max-tokens tokens even past stop tokens (benchmarks)"
+    )
     return parser.parse_args(args)
 
 
@@ -20,5 +23,6 @@ def main(args: list[str]) -> None:
     prompt = render_chat([ChatMessage("user", opts.prompt)]) if opts.chat else opts.prompt
     with Context() as ctx:
         ctx.fill(prompt)
-        for piece in ctx.generate_text(max_tokens=opts.max_tokens, sampler=sampler):
+        stop = [] if opts.ignore_eos else None
+        for piece in ctx.generate_text(max_tokens=opts.max_tokens, stop=stop, sampler=sampler):
             emit(piece)

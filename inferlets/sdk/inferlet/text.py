@@ -19,8 +19,10 @@ class TextDecoder:
         self._tokens.append(token)
         prefix = detokenize(self._tokens[self._prefix_offset : self._read_offset])
         full = detokenize(self._tokens[self._prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self._tokens)
-            return full[len(prefix) :]
-        return ""
+        if full.endswith("\ufffd") or len(full) < len(prefix):
+            return ""  # a character is still incomplete: wait for the tokens that finish it
+        # Advance even when the token added no text (a special token), or the window of
+        # tokens decoded each step would grow without bound.
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        return full[len(prefix) :]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
@@ -27,12 +27,21 @@ R = TypeVar("R", bound=Message)
 
 
 class _Waiter:
-    __slots__ = ("error", "event", "reply")
+    __slots__ = ("error", "event", "on_done", "reply")
 
-    def __init__(self) -> None:
+    def __init__(self, on_done: Callable[[_Waiter], None] | None) -> None:
         self.event = anyio.Event()
         self.reply: Message | None = None
         self.error: BaseException | None = None
+        self.on_done = on_done
+
+    def finish(self) -> None:
+        self.event.set()
+        if self.on_done is not None:
+            try:
+                self.on_done(self)
+            except Exception:  # a failing callback must not stop the reader
+                log.exception("reply callback failed")
 
 
 class Client:
@@ -72,11 +81,13 @@ class Client:
         waiter = await self.submit(message)
         return await self.wait(waiter, expect)
 
-    async def submit(self, message: Message) -> _Waiter:
+    async def submit(self, message: Message, on_done: Callable[[_Waiter], None] | None = None) -> _Waiter:
+        """Send `message`; `on_done(waiter)`, if given, runs in the reader as soon as the reply
+        (or the link's failure) arrives, sparing the caller a task per request."""
         if self._closed is not None:
             raise ConnectionClosed(f"connection is closed: {self._closed}")
         message.id = next(self._ids)
-        waiter = _Waiter()
+        waiter = _Waiter(on_done)
         self._waiters[message.id] = waiter
         t0 = time.perf_counter()
         payload = encode(message)
@@ -90,6 +101,10 @@ class Client:
 
     async def wait(self, waiter: _Waiter, expect: type[R]) -> R:
         await waiter.event.wait()
+        return self.result(waiter, expect)
+
+    def result(self, waiter: _Waiter, expect: type[R]) -> R:
+        """The reply of a finished waiter, raising as `wait` does."""
         if waiter.error is not None:
             raise waiter.error
         reply = waiter.reply
@@ -111,13 +126,13 @@ class Client:
                     log.warning("reply %s with unknown id %d dropped", type(reply).__name__, reply.id)
                     continue
                 waiter.reply = reply
-                waiter.event.set()
+                waiter.finish()
         except BridgeError as exc:
             self._fail_all(exc if isinstance(exc, ConnectionClosed) else ConnectionClosed(f"bad reply: {exc}"))
 
     def _fail_all(self, error: BaseException) -> None:
         self._closed = error
-        for waiter in self._waiters.values():
+        waiters, self._waiters = list(self._waiters.values()), {}
+        for waiter in waiters:
             waiter.error = error
-            waiter.event.set()
-        self._waiters.clear()
+            waiter.finish()

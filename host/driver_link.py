@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -77,9 +77,9 @@ class DriverLink:
     handshake: Handshake
     description: str
 
-    async def submit(self, message: Message) -> Any:
-        """Send a request; returns the waiter for `client.wait`."""
-        return await self.client.submit(message)
+    async def submit(self, message: Message, on_done: Callable[[Any], None] | None = None) -> Any:
+        """Send a request; returns the waiter for `client.wait` (or pass `on_done`)."""
+        return await self.client.submit(message, on_done)
 
     async def request(self, message: Message, expect: type[R]) -> R:
         return await self.client.wait(await self.submit(message), expect)

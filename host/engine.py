@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import itertools
 import logging
 import os
@@ -521,11 +522,10 @@ class Engine:
                 self._schedule_s += time.perf_counter() - t0
                 self._num_passes += 1
                 try:
-                    waiter = await link.submit(forward)
+                    await link.submit(forward, functools.partial(self._batch_done, link, batch, forward))
                 except BridgeError as exc:
                     self._batch_failed(batch, DriverFailed(f"sending a pass to the driver failed: {exc}"), True)
                     return
-                tg.start_soon(self._await_batch, link, batch, forward, waiter)
 
     def _fail_unschedulable(self) -> None:
         """Nothing in flight and nothing fits: fail what waits rather than let it wait forever
@@ -544,9 +544,10 @@ class Engine:
                 self._broken = self._broken or DriverFailed(f"the driver failed a page copy: {exc}")
             self._wake_here()
 
-    async def _await_batch(self, link: DriverLink, batch: Batch, forward: Any, waiter: Any) -> None:
+    def _batch_done(self, link: DriverLink, batch: Batch, forward: Any, waiter: Any) -> None:
+        """A pass's reply (or the link's failure) arrived: route it (in the link's reader)."""
         try:
-            result = await link.client.wait(waiter, ForwardResult)
+            result = link.client.result(waiter, ForwardResult)
         except RemoteError as exc:
             if len(batch.chunks) > 1:
                 # Which request is bad is unknown: retry each alone so only that one fails.

@@ -6,13 +6,14 @@ driver pass (so the scheduler never holds one it cannot place). Knows nothing of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
 
 from bridge_schema.batch import OutputSpec, logit_mask_words
 from bridge_schema.messages import Handshake, SamplerKind
+from host.attention_masks import window_rows
 from host.errors import InvalidRequest
 from host.services import PassRequest
 
@@ -62,6 +63,14 @@ def check_request(request: PassRequest, kv_start: int, h: Handshake, adapters: s
                 raise InvalidRequest(f"a logit mask has {words} words for a vocabulary of {h.vocab_size}")
             row_words[o.row] += words
     mask_rows = None
+    if request.attention_window or request.attention_sinks:
+        if request.mask_rows is not None:
+            raise InvalidRequest("give explicit attention mask rows or a window, not both")
+        if request.attention_window < 1 or request.attention_sinks < 0:
+            raise InvalidRequest("an attention window covers at least 1 key, and sinks are >= 0")
+        request = replace(
+            request, mask_rows=window_rows(kv_start, num, request.attention_window, request.attention_sinks)
+        )
     if request.mask_rows is not None:
         mask_rows = [[int(r) for r in row] for row in request.mask_rows]
         kv_len = kv_start + num

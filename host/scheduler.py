@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from bridge_schema.batch import OutputResult, OutputSpec, RequestSpec, logit_mask_words
+from host.attention_masks import drop_unattended_pages
 from host.pages import pages_for
 
 _UNLIMITED = 1 << 62
@@ -296,12 +297,18 @@ class Scheduler:
             for o in item.outputs
             if start <= o.row < stop
         ]
+        pages: Sequence[int] = item.pages[:num_pages]
+        last_page_len = kv_len - (num_pages - 1) * self.page_size
+        if mask_rows is not None:  # pages no row attends to stay out of the pass
+            pages, last_page_len, mask_rows = drop_unattended_pages(
+                pages, last_page_len, stop - start, mask_rows, self.page_size
+            )
         spec = RequestSpec(
             context_id=item.context_id,
             tokens=item.tokens[start:stop],
             positions=item.positions[start:stop],
-            pages=item.pages[:num_pages],
-            last_page_len=kv_len - (num_pages - 1) * self.page_size,
+            pages=pages,
+            last_page_len=last_page_len,
             outputs=outputs,
             adapter_id=item.adapter_id,
             mask_rows=mask_rows,

@@ -38,6 +38,10 @@ class PassRequest:
     outputs: Sequence[OutputSpec] = ()
     adapter_id: int = -1
     mask_rows: Sequence[Sequence[int]] | None = None
+    # A compact mask for every row: attend to the first `attention_sinks` keys and the
+    # `attention_window` keys ending at the row's own slot (0 = no window). The host expands it.
+    attention_window: int = 0
+    attention_sinks: int = 0
 
 
 @dataclass(slots=True)

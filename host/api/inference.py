@@ -11,13 +11,15 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import wasmtime
 from wasmtime.component import LinkerInstance, Record, ResourceAny, ResourceHost, ResourceType
 
-from bridge_schema.batch import OutputResult, OutputSpec, Sampler
+from bridge_schema.batch import OutputResult, OutputSpec, Sampler, pack_allowed
 from bridge_schema.messages import Probe, SamplerKind
 from host.api import adapter as adapter_api
 from host.api.host_call import borrowed_rep, error_text, host_function, record
@@ -49,6 +51,9 @@ class PassBuilder:
     positions: list[int] | None = None
     outputs: list[OutputSpec] = field(default_factory=list)
     adapter_id: int = -1
+    window: int = 0
+    sinks: int = 0
+    mask_rows: list[list[int]] | None = None
     is_executed: bool = False
     submitted: Future[list[Record] | str] | None = None
 
@@ -113,6 +118,36 @@ def use_adapter(run: RunState, handle: ResourceAny, adapter_id: int) -> None:
     _builder(run, handle).adapter_id = adapter.adapter_id
 
 
+@host_function
+def attention_window(run: RunState, handle: ResourceAny, window: int, sinks: int) -> None:
+    builder = _builder(run, handle)
+    builder.window, builder.sinks = window, sinks
+
+
+@host_function
+def attention_rows(run: RunState, handle: ResourceAny, rows: list[list[int]]) -> None:
+    _builder(run, handle).mask_rows = [list(r) for r in rows]
+
+
+@host_function
+def logit_mask(run: RunState, handle: ResourceAny, row: int, runs: list[int]) -> None:
+    builder = _builder(run, handle)
+    vocab_size = run.services.model.vocab_size
+    if sum(runs) != vocab_size:
+        raise wasmtime.WasmtimeError(f"a logit mask's runs must cover the vocabulary of {vocab_size} exactly")
+    for i, spec in enumerate(builder.outputs):
+        if spec.row == row:
+            builder.outputs[i] = replace(spec, logit_mask=_bitmap(runs, vocab_size))
+            return
+    raise wasmtime.WasmtimeError(f"no output on row {row}: call output() for it first")
+
+
+def _bitmap(runs: list[int], vocab_size: int) -> npt.NDArray[np.uint32]:
+    """A BRLE vocabulary mask as the bridge's packed bitmap (bit j of word i = token 32i+j)."""
+    allowed = np.repeat(np.arange(len(runs)) % 2 == 1, runs)
+    return pack_allowed(vocab_size, np.flatnonzero(allowed))
+
+
 def _validate(run: RunState, builder: PassBuilder) -> str | None:
     if builder.is_executed:
         return "this forward pass was already executed; create a new one"
@@ -153,7 +188,13 @@ def _run_pass_raw(run: RunState, builder: PassBuilder) -> list[OutputResult] | s
         return "the forward pass's context was released"
     assert isinstance(ctx_value, int)
     request = PassRequest(
-        tokens=builder.tokens, positions=builder.positions, outputs=builder.outputs, adapter_id=builder.adapter_id
+        tokens=builder.tokens,
+        positions=builder.positions,
+        outputs=builder.outputs,
+        adapter_id=builder.adapter_id,
+        mask_rows=builder.mask_rows,
+        attention_window=builder.window,
+        attention_sinks=builder.sinks,
     )
     started_s = time.perf_counter()
     try:
@@ -251,6 +292,9 @@ def register(instance: LinkerInstance) -> None:
     instance.add_func("[method]forward-pass.input-positions", input_positions)
     instance.add_func("[method]forward-pass.output", output)
     instance.add_func("[method]forward-pass.use-adapter", use_adapter)
+    instance.add_func("[method]forward-pass.attention-window", attention_window)
+    instance.add_func("[method]forward-pass.attention-rows", attention_rows)
+    instance.add_func("[method]forward-pass.logit-mask", logit_mask)
     instance.add_func("[method]forward-pass.submit", submit)
     instance.add_func("[method]forward-pass.execute", execute)
     if USE_RAW_DECODE:

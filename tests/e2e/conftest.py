@@ -46,5 +46,5 @@ def components(sandbox: Sandbox, built: dict[str, Path]) -> dict[str, Component]
 
 @pytest.fixture(scope="session")
 def engine() -> Iterator[Engine]:
-    with Engine.start(driver="dummy") as eng:
+    with Engine.start(driver="dummy", speculation_depth=1) as eng:
         yield eng

@@ -15,6 +15,7 @@ module, and modules first imported at run time may not exist.
 
 from inferlet.adapter import Adapter, AdapterError
 from inferlet.arguments import ArgumentParser
+from inferlet.attention import LogitMask, Window
 from inferlet.context import Context, InferenceError, TokenChoice, decode_steps, top_k_all
 from inferlet.errors import InferletError
 from inferlet.model import ChatMessage, ModelInfo, detokenize, model_info, render_chat, tokenize
@@ -31,11 +32,13 @@ __all__ = [
     "Greedy",
     "InferenceError",
     "InferletError",
+    "LogitMask",
     "ModelInfo",
     "Random",
     "Sampler",
     "TextDecoder",
     "TokenChoice",
+    "Window",
     "args",
     "decode_steps",
     "detokenize",

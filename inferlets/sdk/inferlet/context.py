@@ -15,6 +15,7 @@ from wit_world.imports import context as _ctx
 from wit_world.imports import inference as _inf
 
 from inferlet.adapter import Adapter
+from inferlet.attention import LogitMask, Window
 from inferlet.model import model_info, tokenize
 from inferlet.sampling import Greedy, Sampler
 from inferlet.text import TextDecoder
@@ -50,6 +51,8 @@ class Context:
         self._committed = _committed
         self.adapter: Adapter | None = None
         """When set, every later pass of this context runs through this LoRA adapter."""
+        self.attention: Window | None = None
+        """When set, every later pass of this context attends only within this window."""
 
     # -- state -------------------------------------------------------------------------------
 
@@ -107,6 +110,7 @@ class Context:
         handle = _call(self._live().fork)
         child = Context(handle, self._tokens, self._committed)
         child.adapter = self.adapter
+        child.attention = self.attention
         return child
 
     def truncate(self, length: int) -> None:
@@ -125,40 +129,51 @@ class Context:
     def _forward(self, tokens: list[int], outputs: Iterable[tuple[int, Sampler, _inf.Probe, int]]) -> list[_inf.Output]:
         with _inf.ForwardPass(self._live()) as fp:
             fp.input_tokens(tokens)
-            if self.adapter is not None:
-                fp.use_adapter(self.adapter.id)
+            self._constrain(fp)
             for row, sampler, probe, k in outputs:
                 fp.output(row, sampler.to_wit(), probe, k)
             return _call(fp.execute)
 
-    def _pending_pass(self, sampler: Sampler, probe: _inf.Probe, k: int) -> _inf.ForwardPass:
+    def _constrain(self, fp: _inf.ForwardPass) -> None:
+        if self.adapter is not None:
+            fp.use_adapter(self.adapter.id)
+        if self.attention is not None:
+            fp.attention_window(self.attention.size, self.attention.sinks)
+
+    def _pending_pass(
+        self, sampler: Sampler, probe: _inf.Probe, k: int, logit_mask: LogitMask | None = None
+    ) -> _inf.ForwardPass:
         """A configured, not yet executed pass over the pending tokens, sampling the last row."""
         todo = self.pending
         if not todo:
             raise InferenceError("nothing to predict from: fill() the context first")
         fp = _inf.ForwardPass(self._live())
         fp.input_tokens(todo)
-        if self.adapter is not None:
-            fp.use_adapter(self.adapter.id)
+        self._constrain(fp)
         fp.output(len(todo) - 1, sampler.to_wit(), probe, k)
+        if logit_mask is not None:
+            fp.logit_mask(len(todo) - 1, list(logit_mask.runs))
         return fp
 
-    def _run_pending(self, sampler: Sampler, probe: _inf.Probe, k: int) -> _inf.Output:
-        with self._pending_pass(sampler, probe, k) as fp:
+    def _run_pending(
+        self, sampler: Sampler, probe: _inf.Probe, k: int, logit_mask: LogitMask | None = None
+    ) -> _inf.Output:
+        with self._pending_pass(sampler, probe, k, logit_mask) as fp:
             (out,) = _call(fp.execute)
         self._committed = len(self._tokens)
         return out
 
-    def decode_step(self, sampler: Sampler = GREEDY) -> int:
-        """Run the pending tokens and sample the next token, which becomes pending."""
+    def decode_step(self, sampler: Sampler = GREEDY, logit_mask: LogitMask | None = None) -> int:
+        """Run the pending tokens and sample the next token, which becomes pending. A
+        `logit_mask` restricts which tokens this step may sample."""
         todo = self.pending
         if not todo:
             raise InferenceError("nothing to predict from: fill() the context first")
-        if self.adapter is None:
+        if self.adapter is None and self.attention is None and logit_mask is None:
             token = _call(_inf.decode, self._live(), todo, sampler.to_wit())
             self._committed = len(self._tokens)
-        else:  # the one-call `decode` has no adapter: use a full forward pass
-            token = self._run_pending(sampler, _NO_PROBE, 0).token
+        else:  # the one-call `decode` carries no adapter or mask: use a full forward pass
+            token = self._run_pending(sampler, _NO_PROBE, 0, logit_mask).token
         self._tokens.append(token)
         return token
 

@@ -1,0 +1,224 @@
+"""SmolLM2 prefill and decode throughput of the torch driver at batch 1, 8 and 32, side by side
+in one run with Hugging Face `transformers` `generate` on the same prompts, weights and dtype, and
+with the memory-bandwidth bound (weight bytes read per decode step / measured read bandwidth).
+
+    python bench/decode.py [--threads N] [--dtype float32,bfloat16] [--batches 1,8,32] [--json PATH]
+
+Prints a table and writes JSON. Not part of the test run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bridge_schema.batch import OutputSpec, RequestSpec, build_forward
+from bridge_schema.messages import Hello
+from drivers.torch.checkpoint import Checkpoint, load_checkpoint
+from drivers.torch.driver import DTYPES, DriverOptions, TorchDriver
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def read_bandwidth_gbs(device: str, repeats: int = 5) -> float:
+    """Best-of sequential read bandwidth of a 512 MiB tensor with the current thread count."""
+    x = torch.ones(128 * 1024 * 1024, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        x.sum()
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+def weight_bytes(drv: TorchDriver) -> int:
+    """Bytes of weights one decode step reads: every parameter and int8 weight buffer once. The
+    tied embedding counts once, as the output head (the lookup reads only a few rows); with int8
+    weights the head reads its int8 copy, so the dense embedding is not counted."""
+    tensors = [*drv.model.parameters(), *drv.model.buffers()]
+    total = sum(t.numel() * t.element_size() for t in tensors if t.dtype != torch.float64)
+    if drv.model.output_head is not None:
+        emb = drv.model.model.embed_tokens.weight
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def _request(i: int, tokens: list[int], start: int, page_size: int, pages_per: int) -> RequestSpec:
+    kv = start + len(tokens)
+    pages = list(range(i * pages_per, i * pages_per + (kv + page_size - 1) // page_size))
+    return RequestSpec(
+        i, tokens, list(range(start, kv)), pages, kv - (len(pages) - 1) * page_size, [OutputSpec(len(tokens) - 1)]
+    )
+
+
+def bench_ours(drv: TorchDriver, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    ps, length = 16, len(prompts[0])
+    per = (length + new_tokens + ps - 1) // ps
+    b = len(prompts)
+    t = time.perf_counter()
+    res = drv.forward(build_forward(0, [_request(i, p, 0, ps, per) for i, p in enumerate(prompts)]))
+    prefill = time.perf_counter() - t
+    last = res.tokens.tolist()
+    t = time.perf_counter()
+    for s in range(new_tokens):
+        res = drv.forward(build_forward(s + 1, [_request(i, [last[i]], length + s, ps, per) for i in range(b)]))
+        last = res.tokens.tolist()
+    decode = time.perf_counter() - t
+    return b * length / prefill, b * new_tokens / decode
+
+
+def hf_twin(ckpt: Checkpoint, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = ckpt.cfg
+    hc = LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        rope_theta=c.rope_theta,
+        rms_norm_eps=c.rms_eps,
+        max_position_embeddings=c.max_position,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(hc).eval()
+    model.load_state_dict(ckpt.state, strict=False)
+    model.tie_weights()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.to(dtype)
+
+
+class _StepClock:
+    """A `generate` streamer that timestamps every step: `put` gets the prompt once, then each
+    generated token, so decode time is measured inside one call, without subtracting runs."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        _sync(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def bench_transformers(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    device = next(model.parameters()).device
+    ids = torch.tensor(prompts, device=device)
+    attn = torch.ones_like(ids)
+    b, length = ids.shape
+    clock = _StepClock(str(device))
+    with torch.inference_mode():
+        t = time.perf_counter()
+        model.generate(
+            input_ids=ids, attention_mask=attn, max_new_tokens=new_tokens + 1, do_sample=False, streamer=clock
+        )
+    # times[0]: prompt accepted; times[1]: first token (prefill done); times[-1]: last token.
+    prefill = clock.times[1] - t
+    decode = clock.times[-1] - clock.times[1]
+    return b * length / prefill, b * new_tokens / decode
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="default: all cores")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (Triton attention; untested so far)")
+    parser.add_argument("--dtype", default="float32,bfloat16,bfloat16+int8", help="DTYPE or DTYPE+int8 (weights)")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=2, help="best of N runs per measurement")
+    parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--json", default="bench/results/decode.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    import logging
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    print(f"threads: {torch.get_num_threads()} (of {os.cpu_count()} cores); torch {torch.__version__}", flush=True)
+    bandwidth = read_bandwidth_gbs(args.device)
+    print(f"measured read bandwidth: {bandwidth:.1f} GB/s", flush=True)
+    ckpt = load_checkpoint("smollm2")
+    rng = np.random.default_rng(0)
+    rows = []
+    for dtype in args.dtype.split(","):
+        batches = [int(b) for b in args.batches.split(",")]
+        pages = max(batches) * ((args.prompt_len + args.new_tokens + 15) // 16)
+        act, _, weights = dtype.partition("+")
+        options = DriverOptions(device=args.device, dtype=act, num_pages=pages, weights=weights or "dense")
+        drv = TorchDriver(ckpt, options)
+        drv.handshake(Hello())
+        bound_steps = bandwidth * 1e9 / weight_bytes(drv)
+        twin = None if args.no_transformers else hf_twin(ckpt, DTYPES[act]).to(args.device)
+        bench_ours(drv, [rng.integers(0, 49152, 8).tolist()], 2)  # warm up
+        for b in batches:
+            prompts = [rng.integers(0, 49152, args.prompt_len).tolist() for _ in range(b)]
+            ours_p, ours_d = bench_ours(drv, prompts, args.new_tokens)
+            hf_p, hf_d = (
+                (float("nan"), float("nan")) if twin is None else bench_transformers(twin, prompts, args.new_tokens)
+            )
+            row = {
+                "dtype": dtype,
+                "batch": b,
+                "prefill_tok_s": ours_p,
+                "decode_tok_s": ours_d,
+                "hf_prefill_tok_s": hf_p,
+                "hf_decode_tok_s": hf_d,
+                "decode_bound_tok_s": bound_steps * b,
+                "weight_bytes": weight_bytes(drv),
+            }
+            rows.append(row)
+            print(
+                f"{dtype:>9} B={b:<3} prefill {ours_p:8.1f} tok/s (hf {hf_p:8.1f})  decode {ours_d:7.1f} tok/s "
+                f"(hf {hf_d:7.1f}, bound {bound_steps * b:7.1f}, {ours_d / (bound_steps * b):4.0%} of bound)",
+                flush=True,
+            )
+    print()
+    print("| dtype | batch | prefill tok/s | hf prefill | decode tok/s | hf decode | bound | % of bound | vs hf |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['dtype']} | {r['batch']} | {r['prefill_tok_s']:.0f} | {r['hf_prefill_tok_s']:.0f} | "
+            f"{r['decode_tok_s']:.1f} | {r['hf_decode_tok_s']:.1f} | {r['decode_bound_tok_s']:.1f} | "
+            f"{r['decode_tok_s'] / r['decode_bound_tok_s']:.0%} | {r['decode_tok_s'] / r['hf_decode_tok_s']:.2f}x |"
+        )
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "threads": torch.get_num_threads(),
+        "device": args.device,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "bandwidth_gb_s": bandwidth,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "load_average": os.getloadavg(),
+    }
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""`python -m drivers.torch --model smollm2|PATH --device cpu|cuda --dtype ... --listen ADDR`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from drivers.errors import ConfigRejected
+from drivers.serve import add_serve_arguments, configure_logging, serve_forever
+from drivers.torch.checkpoint import load_checkpoint
+from drivers.torch.driver import DTYPES, DriverOptions, TorchDriver
+
+
+def main(argv: list[str] | None = None) -> None:
+    d = DriverOptions()
+    parser = argparse.ArgumentParser(prog="python -m drivers.torch", description="wafer's torch driver")
+    add_serve_arguments(parser)
+    parser.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or a Hugging Face directory")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPES))
+    parser.add_argument("--weights", default="dense", choices=["dense", "int8"], help="int8: weight-only, bf16/fp16")
+    parser.add_argument("--page-size", type=int, default=d.page_size, help="used when the host asks for 0")
+    parser.add_argument("--num-pages", type=int, default=d.num_pages, help="used when the host asks for 0")
+    parser.add_argument("--max-requests-per-pass", type=int, default=d.max_requests_per_pass)
+    parser.add_argument("--max-tokens-per-pass", type=int, default=d.max_tokens_per_pass)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda: this torch build has no CUDA device")
+    options = DriverOptions(
+        device=args.device,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        max_requests_per_pass=args.max_requests_per_pass,
+        max_tokens_per_pass=args.max_tokens_per_pass,
+        seed=args.seed,
+        weights=args.weights,
+    )
+    try:
+        driver = TorchDriver(load_checkpoint(args.model), options)
+    except ConfigRejected as exc:
+        print(f"python -m drivers.torch: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(f"[wafer torch] {driver.ckpt.model_name} ready on {args.device} ({args.dtype})", file=sys.stderr, flush=True)
+    serve_forever(driver, args.listen, args.max_frame_bytes)
+
+
+if __name__ == "__main__":
+    main()

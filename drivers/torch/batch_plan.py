@@ -1,0 +1,195 @@
+"""Turns a validated `Forward` into the tensors one pass needs: flat tokens, the cache slot of
+each new token, padded per-request query layouts, and per attention family (full or a window) the
+keys its cache returns with a mask built for exactly those keys. Knows the CSR wire layout and the
+page arithmetic; knows nothing of the model math."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from bridge_schema.messages import Forward
+from drivers.errors import RequestRejected
+from drivers.torch.masks import check_mask_rows, decode_brle_rows
+
+
+@dataclass(frozen=True, slots=True)
+class CacheLimits:
+    page_size: int
+    num_pages: int
+    vocab_size: int
+    max_context: int
+    max_probe_k: int
+
+
+@dataclass(slots=True)
+class FamilyKeys:
+    """The keys one attention family reads for each request, padded to `key_slot.shape[1]`."""
+
+    window: int
+    key_index: torch.Tensor  # [B, K] flat cache index of each key (0 for padding)
+    key_slot: torch.Tensor  # [B, K] slot of each key within its request (-1 for padding)
+    mask: torch.Tensor  # [B, Tq, K] causal & window & sinks & user mask, for exactly these keys
+    empty: torch.Tensor  # [B, Tq] rows that may attend to nothing (padding, or a user mask)
+    safe_mask: torch.Tensor  # `mask` with empty rows opened to every key (their output is zeroed)
+
+
+@dataclass(slots=True)
+class PassPlan:
+    tokens: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slots: torch.Tensor  # [T] flat cache index each new token's k/v is written to
+    q_slot: torch.Tensor  # [T] slot of each new token within its request
+    token_request: torch.Tensor  # [T] owning request
+    q_index: torch.Tensor  # [B, Tq] flat token of each padded query (0 for padding)
+    q_valid: torch.Tensor  # [B, Tq]
+    kv_len: torch.Tensor  # [B]
+    num_q: torch.Tensor  # [B]
+    q_start: torch.Tensor  # [B] first flat token of each request
+    page_table: torch.Tensor  # [B, max_pages] int32 page ids (0 for padding)
+    user_mask: torch.Tensor | None  # [T, max_kv] bool, all True on rows without a mask
+    out_tokens: torch.Tensor  # [O] flat token of each output row
+    kv_len_np: npt.NDArray[np.int64]
+    num_q_np: npt.NDArray[np.int64]
+    pages_np: list[npt.NDArray[np.int64]]
+    families: dict[int, FamilyKeys] = field(default_factory=dict)
+    query_blocks: dict[int, torch.Tensor] = field(default_factory=dict)  # kernel tiling, by block size
+
+
+def _counts(indptr: npt.NDArray[np.uint32]) -> npt.NDArray[np.int64]:
+    return np.diff(indptr.astype(np.int64)).astype(np.int64)
+
+
+def _check(fwd: Forward, limits: CacheLimits) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Validate against the model and the cache; returns (num_tokens, kv_len) per request."""
+    ps = limits.page_size
+    num_tokens = _counts(fwd.token_indptr)
+    num_pages = _counts(fwd.page_indptr)
+    last = fwd.last_page_len.astype(np.int64)
+    if fwd.tokens.size and int(fwd.tokens.max()) >= limits.vocab_size:
+        raise RequestRejected(f"token id >= vocab size {limits.vocab_size}", "tokens")
+    if fwd.positions.size and int(fwd.positions.max()) >= limits.max_context:
+        raise RequestRejected(f"position >= max_context {limits.max_context}", "positions")
+    if fwd.pages.size and int(fwd.pages.max()) >= limits.num_pages:
+        raise RequestRejected(f"page id >= num_pages {limits.num_pages}", "pages")
+    if np.any((num_tokens > 0) & (num_pages == 0)):
+        raise RequestRejected("a request with tokens has no pages", "page_indptr")
+    if np.any((num_pages > 0) & ((last < 1) | (last > ps))):
+        raise RequestRejected(f"last_page_len must be in 1..{ps}", "last_page_len")
+    kv_len = np.where(num_pages > 0, (num_pages - 1) * ps + last, 0)
+    if np.any(kv_len < num_tokens):
+        raise RequestRejected("a request has more new tokens than kv slots", "last_page_len")
+    if np.any(kv_len > limits.max_context):
+        raise RequestRejected(f"kv_len exceeds max_context {limits.max_context}", "page_indptr")
+    out_counts = _counts(fwd.out_indptr)
+    owner = np.repeat(np.arange(len(num_tokens)), out_counts)
+    if fwd.out_rows.size and np.any(fwd.out_rows.astype(np.int64) >= num_tokens[owner]):
+        raise RequestRejected("an output row is past its request's tokens", "out_rows")
+    if fwd.probe_k.size and int(fwd.probe_k.max()) > limits.max_probe_k:
+        raise RequestRejected(f"probe_k exceeds {limits.max_probe_k}", "probe_k")
+    check_mask_rows(fwd.mask_req_indptr, fwd.mask_row_indptr, fwd.mask_runs, num_tokens, kv_len)
+    return num_tokens, kv_len
+
+
+def build_plan(fwd: Forward, limits: CacheLimits, device: torch.device) -> PassPlan:
+    num_tokens, kv_len = _check(fwd, limits)
+    ps = limits.page_size
+    n_req = len(num_tokens)
+    tok_ptr = fwd.token_indptr.astype(np.int64)
+    page_ptr = fwd.page_indptr.astype(np.int64)
+    pages_np = [fwd.pages[page_ptr[r] : page_ptr[r + 1]].astype(np.int64) for r in range(n_req)]
+    q_slot = np.concatenate(
+        [np.arange(kv_len[r] - num_tokens[r], kv_len[r]) for r in range(n_req)] or [np.zeros(0, np.int64)]
+    )
+    token_request = np.repeat(np.arange(n_req), num_tokens)
+    slot_pages = np.concatenate(
+        [pages_np[r][np.arange(kv_len[r] - num_tokens[r], kv_len[r]) // ps] for r in range(n_req)]
+        or [np.zeros(0, np.int64)]
+    )
+    slots = slot_pages * ps + q_slot % ps
+    tq = max(int(num_tokens.max()) if n_req else 1, 1)
+    col = np.arange(tq)
+    q_valid = col[None, :] < num_tokens[:, None]
+    q_index = np.where(q_valid, tok_ptr[:-1, None] + col[None, :], 0)
+    max_pages = max(int(np.diff(page_ptr).max()) if n_req else 1, 1)
+    page_table = np.zeros((n_req, max_pages), dtype=np.int32)
+    for r in range(n_req):
+        page_table[r, : len(pages_np[r])] = pages_np[r]
+    out_counts = _counts(fwd.out_indptr)
+    out_owner = np.repeat(np.arange(n_req), out_counts)
+    out_tokens = tok_ptr[out_owner] + fwd.out_rows.astype(np.int64)
+
+    def t(a: npt.NDArray[np.generic], dtype: torch.dtype = torch.long) -> torch.Tensor:
+        # Arrays decoded from a frame are read-only views of it; torch wants writable memory.
+        return torch.as_tensor(a if a.flags.writeable else a.copy()).to(device=device, dtype=dtype)
+
+    user_mask = None
+    if fwd.mask_runs.size or int(fwd.mask_req_indptr[-1]) > 0:
+        max_kv = max(int(kv_len.max()), 1)
+        rows = decode_brle_rows(t(fwd.mask_row_indptr), t(fwd.mask_runs), max_kv)
+        user_mask = torch.ones(len(token_request), max_kv, dtype=torch.bool, device=device)
+        row_ptr = fwd.mask_req_indptr.astype(np.int64)
+        masked_tokens = np.concatenate(
+            [np.arange(tok_ptr[r], tok_ptr[r + 1]) for r in range(n_req) if row_ptr[r + 1] > row_ptr[r]]
+        )
+        user_mask[t(masked_tokens)] = rows
+    return PassPlan(
+        tokens=t(fwd.tokens),
+        positions=t(fwd.positions),
+        slots=t(slots),
+        q_slot=t(q_slot),
+        token_request=t(token_request),
+        q_index=t(q_index),
+        q_valid=t(q_valid, torch.bool),
+        kv_len=t(kv_len),
+        num_q=t(num_tokens),
+        q_start=t(tok_ptr[:-1]),
+        page_table=t(page_table, torch.int32),
+        user_mask=user_mask,
+        out_tokens=t(out_tokens),
+        kv_len_np=kv_len,
+        num_q_np=num_tokens,
+        pages_np=pages_np,
+    )
+
+
+def family_keys(plan: PassPlan, window: int, num_sinks: int, page_size: int) -> FamilyKeys:
+    """The keys a family with `window` (0 = full) reads, and its mask rebuilt for those keys.
+
+    A windowed family reads only the sink slots and the slots some query of the request can still
+    see, so its key count differs from kv_len: the user mask (defined over kv_len keys) is
+    gathered at the real key slots rather than reused positionally."""
+    if window in plan.families:
+        return plan.families[window]
+    device = plan.tokens.device
+    key_slots = []
+    for kv, nq in zip(plan.kv_len_np.tolist(), plan.num_q_np.tolist(), strict=True):
+        if window == 0:
+            key_slots.append(np.arange(kv))
+            continue
+        start = max(0, kv - nq - window + 1)
+        key_slots.append(np.concatenate((np.arange(min(num_sinks, start)), np.arange(start, kv))))
+    width = max(max((len(k) for k in key_slots), default=1), 1)
+    slot = np.full((len(key_slots), width), -1, dtype=np.int64)
+    index = np.zeros((len(key_slots), width), dtype=np.int64)
+    for r, slots_r in enumerate(key_slots):
+        slot[r, : len(slots_r)] = slots_r
+        index[r, : len(slots_r)] = plan.pages_np[r][slots_r // page_size] * page_size + slots_r % page_size
+    key_slot = torch.as_tensor(slot, device=device)
+    q_slot = torch.where(plan.q_valid, plan.q_slot[plan.q_index], -1)  # [B, Tq]
+    ks, qs = key_slot[:, None, :], q_slot[:, :, None]
+    allowed = (ks >= 0) & (ks <= qs)
+    if window:
+        allowed &= (ks > qs - window) | (ks < num_sinks)
+    if plan.user_mask is not None:
+        rows = plan.user_mask[plan.q_index]  # [B, Tq, max_kv]
+        allowed &= torch.gather(rows, 2, key_slot.clamp(min=0)[:, None, :].expand(-1, rows.shape[1], -1))
+    empty = ~allowed.any(-1)
+    # Computed once per pass and family, not once per layer.
+    safe = allowed | empty[..., None]
+    fam = FamilyKeys(window, torch.as_tensor(index, device=device), key_slot, allowed, empty, safe)
+    plan.families[window] = fam
+    return fam

@@ -1,0 +1,191 @@
+"""`TorchDriver`: the `Driver` protocol over a real model. Owns the device: the weights, the page
+memory (allocated once per resolved handshake), loaded adapters and the sampling generator.
+Each `forward` is validate -> plan -> model -> sample; nothing here does tensor math itself."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bridge_schema.config_rules import check_prefix_match_unit
+from bridge_schema.errors import ConfigError
+from bridge_schema.messages import Adapter, Copy, Forward, ForwardResult, Handshake, Hello
+from drivers.errors import ConfigRejected, RequestRejected
+from drivers.torch.batch_plan import CacheLimits, PassPlan, build_plan
+from drivers.torch.checkpoint import Checkpoint
+from drivers.torch.cpu_layout import transpose_linears
+from drivers.torch.fusion import fuse_projections
+from drivers.torch.kv_cache import PagedKVCache
+from drivers.torch.lora import LoraBatch, LoraWeights, load_peft
+from drivers.torch.model import Transformer, rope_inv_freq
+from drivers.torch.paged_attention import PagedAttention
+from drivers.torch.quantize import quantize_int8
+from drivers.torch.sampling import sample
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class DriverOptions:
+    device: str = "cpu"
+    dtype: str = "float32"
+    page_size: int = 16  # used when Hello asks for 0
+    num_pages: int = 256  # used when Hello asks for 0
+    max_requests_per_pass: int = 64
+    max_tokens_per_pass: int = 4096
+    max_mask_bytes: int = 64 * 1024 * 1024
+    max_probe_k: int = 20
+    seed: int = 0
+    weights: str = "dense"  # "dense" (the activation dtype) or "int8" (weight-only, bf16/fp16 only)
+
+
+def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> Transformer:
+    """The model with the checkpoint's weights; every parameter must be present, none left over."""
+    with torch.device("meta"):
+        model = Transformer(ckpt.cfg)
+    state = dict(ckpt.state)
+    if ckpt.cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = set(model.state_dict())
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise ConfigRejected(
+            f"checkpoint does not fit the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}",
+            "model",
+        )
+    model.load_state_dict(state, assign=True)
+    # RoPE buffers were created on the meta device: compute them for real, after the dtype cast,
+    # because bf16 inverse frequencies would misplace every rotation at long positions.
+    model.inv_freq = model.inv_freq_local = torch.empty(0)
+    model = model.to(device=device, dtype=dtype).eval()
+    cfg = ckpt.cfg
+    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_llama3).to(device)
+    model.inv_freq_local = rope_inv_freq(cfg.head_dim, cfg.rope_local_theta or cfg.rope_theta).to(device)
+    return model
+
+
+class TorchDriver:
+    def __init__(self, ckpt: Checkpoint, options: DriverOptions = DriverOptions()) -> None:
+        if options.dtype not in DTYPES:
+            raise ConfigRejected(f"dtype must be one of {sorted(DTYPES)}", "dtype")
+        self.options = options
+        self.ckpt = ckpt
+        self.cfg = ckpt.cfg
+        self.device = torch.device(options.device)
+        self.dtype = DTYPES[options.dtype]
+        self.model = fuse_projections(build_model(ckpt, self.device, self.dtype))
+        if options.weights == "int8":
+            self.model = quantize_int8(self.model)
+        elif options.weights != "dense":
+            raise ConfigRejected(f"weights must be 'dense' or 'int8', got {options.weights!r}", "weights")
+        elif self.device.type == "cpu" and self.dtype == torch.float32:
+            self.model = transpose_linears(self.model)
+        self.use_triton = self.device.type == "cuda"
+        self.cache: PagedKVCache | None = None
+        self.limits: CacheLimits | None = None
+        self.adapters: dict[int, LoraWeights] = {}
+        self.generator = torch.Generator().manual_seed(options.seed)
+        self.stats: dict[str, int | float | str] = {"forwards": 0, "tokens": 0, "outputs": 0, "forward_s": 0.0}
+
+    # ------------------------------------------------------------ protocol
+
+    def handshake(self, hello: Hello) -> Handshake:
+        o = self.options
+        page_size = hello.page_size or o.page_size
+        num_pages = hello.num_pages or o.num_pages
+        if page_size <= 0 or num_pages <= 0:
+            raise ConfigRejected("page_size and num_pages must be positive", "page_size")
+        try:
+            check_prefix_match_unit(hello.prefix_match_unit, page_size, hello.speculation_depth)
+        except ConfigError as exc:
+            raise ConfigRejected(exc.detail, exc.field) from None
+        cfg = self.cfg
+        if self.cache is None or (self.cache.page_size, self.cache.num_pages) != (page_size, num_pages):
+            self.cache = None  # free the old pages before allocating the new ones
+            self.cache = PagedKVCache(
+                cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
+            )
+        max_context = min(cfg.max_position, num_pages * page_size)
+        self.limits = CacheLimits(page_size, num_pages, cfg.vocab_size, max_context, o.max_probe_k)
+        tok = self.ckpt.tokenizer
+        return Handshake(
+            driver_kind="torch",
+            model_name=self.ckpt.model_name,
+            vocab_size=cfg.vocab_size,
+            page_size=page_size,
+            num_pages=num_pages,
+            max_context=max_context,
+            max_requests_per_pass=o.max_requests_per_pass,
+            max_tokens_per_pass=o.max_tokens_per_pass,
+            max_mask_bytes=o.max_mask_bytes,
+            max_probe_k=o.max_probe_k,
+            capabilities=["attention_mask", "logit_mask", "probes", "adapters", "copy", "sliding_window"],
+            tokenizer_kind="huggingface" if tok is not None else "bytes",
+            tokenizer_data=tok.to_str() if tok is not None else "",
+            chat_template=self.ckpt.chat_template,
+            stop_token_ids=np.array(self.ckpt.stop_token_ids, dtype=np.uint32),
+            control_token_ids=np.array(self.ckpt.control_token_ids, dtype=np.uint32),
+        )
+
+    @torch.inference_mode()
+    def forward(self, request: Forward) -> ForwardResult:
+        start = time.perf_counter()
+        plan, logits = self._run(request)
+        out_positions = request.positions.astype(np.int64)[plan.out_tokens.cpu().numpy()]
+        s = sample(logits, request, out_positions, self.cfg.vocab_size, self.generator)
+        self.stats["forwards"] = int(self.stats["forwards"]) + 1
+        self.stats["tokens"] = int(self.stats["tokens"]) + len(request.tokens)
+        self.stats["outputs"] = int(self.stats["outputs"]) + len(s.tokens)
+        self.stats["forward_s"] = float(self.stats["forward_s"]) + time.perf_counter() - start
+        return ForwardResult(
+            tokens=s.tokens,
+            logprobs=s.logprobs,
+            topk_indptr=s.topk_indptr,
+            topk_ids=s.topk_ids,
+            topk_logprobs=s.topk_logprobs,
+            dist_indptr=s.dist_indptr,
+            dists=s.dists,
+        )
+
+    @torch.inference_mode()
+    def logits(self, request: Forward) -> torch.Tensor:
+        """Raw float32 logits [O, V] of the output rows (for tests and benches); writes KV."""
+        return self._run(request)[1]
+
+    def _run(self, request: Forward) -> tuple[PassPlan, torch.Tensor]:
+        if self.cache is None or self.limits is None:
+            raise RequestRejected("no handshake yet", "id")
+        bad = [int(a) for a in request.adapter_ids if a >= 0 and int(a) not in self.adapters]
+        if bad:
+            raise RequestRejected(f"adapter {bad[0]} is not loaded", "adapter_ids")
+        plan = build_plan(request, self.limits, self.device)
+        attend = PagedAttention(self.cfg, self.cache, plan, self.use_triton)
+        lora = None
+        if np.any(request.adapter_ids >= 0):
+            token_adapter = np.repeat(request.adapter_ids.astype(np.int64), plan.num_q_np)
+            lora = LoraBatch(self.adapters, token_adapter, self.device)
+        return plan, self.model(plan.tokens, plan.positions, attend, plan.out_tokens, lora)
+
+    @torch.inference_mode()
+    def copy(self, request: Copy) -> None:
+        if self.cache is None:
+            raise RequestRejected("no handshake yet", "id")
+        self.cache.copy_pages([int(p) for p in request.src_pages], [int(p) for p in request.dst_pages])
+
+    def adapter(self, request: Adapter) -> None:
+        if request.op == "load":
+            self.adapters[request.adapter_id] = load_peft(
+                Path(request.path), self.cfg.num_layers, self.dtype, self.device
+            )
+        elif request.op == "unload":
+            if self.adapters.pop(request.adapter_id, None) is None:
+                raise RequestRejected(f"adapter {request.adapter_id} is not loaded", "adapter_id")
+        else:
+            raise RequestRejected(f"op must be 'load' or 'unload', got {request.op!r}", "op")
+
+    def health(self) -> dict[str, int | float | str]:
+        return {**self.stats, "adapters": len(self.adapters), "device": str(self.device)}

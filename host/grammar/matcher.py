@@ -1,0 +1,122 @@
+"""A grammar matcher: the parse state of one generation, and the next-token bitmask it allows.
+
+Owned by one run's thread (not locked). Knows the bridge's logit-mask layout: uint32 words,
+ceil(vocab/32) of them, bit j of word i allows token 32*i + j (little-endian bit order).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+import xgrammar as xgr
+
+from host.grammar.errors import MatcherError
+
+if TYPE_CHECKING:
+    from host.grammar.grammar import Grammar
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """uint32 words in a next-token bitmask over `vocab_size` tokens."""
+    return (vocab_size + 31) // 32
+
+
+def allocate_bitmask(vocab_size: int) -> npt.NDArray[np.uint32]:
+    return np.zeros(bitmask_words(vocab_size), dtype=np.uint32)
+
+
+class Matcher:
+    """Accepts tokens one at a time; rolls back; says which tokens may come next."""
+
+    def __init__(self, grammar: Grammar, _state: xgr.GrammarMatcher | None = None) -> None:
+        self.grammar = grammar
+        self.vocab_size = grammar.vocab_size
+        self.num_words = bitmask_words(grammar.vocab_size)
+        # Without stop tokens a completed grammar would allow nothing at all; end it there instead.
+        if _state is None:
+            _state = xgr.GrammarMatcher(grammar.compiled, terminate_without_stop_token=not grammar.stop_token_ids)
+        self._state = _state
+        self._num_accepted = 0
+
+    @property
+    def num_accepted(self) -> int:
+        """Tokens accepted since creation or reset, less those rolled back (the rollback limit)."""
+        return self._num_accepted
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one token; False (state unchanged) when the grammar does not allow it here.
+
+        Control tokens are never allowed; a stop token is allowed only where the grammar may end,
+        and accepting it terminates the matcher.
+        """
+        if not 0 <= token_id < self.vocab_size:
+            raise MatcherError(f"token id {token_id} is outside the vocabulary of {self.vocab_size}")
+        if self._state.is_terminated():
+            return False
+        accepted = bool(self._state.accept_token(token_id))
+        if accepted:
+            self._num_accepted += 1
+        return accepted
+
+    def accept_tokens(self, token_ids: list[int]) -> int:
+        """Accept tokens in order until one is refused; returns how many were accepted."""
+        for i, token_id in enumerate(token_ids):
+            if not self.accept(token_id):
+                return i
+        return len(token_ids)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (a terminated matcher becomes live again)."""
+        if not 0 <= num_tokens <= self._num_accepted:
+            raise MatcherError(
+                f"cannot roll back {num_tokens} token(s): {self._num_accepted} accepted since the last reset"
+            )
+        if num_tokens:
+            self._state.rollback(num_tokens)
+            self._num_accepted -= num_tokens
+
+    def is_terminated(self) -> bool:
+        """True once a stop token was accepted (or, with no stop tokens, the grammar is complete)."""
+        return bool(self._state.is_terminated())
+
+    def is_completed(self) -> bool:
+        """True when the tokens so far form a whole sentence of the grammar (a stop may follow)."""
+        return bool(self._state.is_completed())
+
+    def fill_bitmask(self, out: npt.NDArray[np.uint32]) -> bool:
+        """Write the allowed next tokens into `out` (uint32, `num_words` long, in place).
+
+        Returns False when every token is allowed (the mask may be skipped). Does not change the
+        parse state. A terminated matcher has no next token: stop generating instead.
+        """
+        if out.dtype != np.uint32 or out.shape != (self.num_words,):
+            raise MatcherError(
+                f"bitmask must be a uint32 array of shape ({self.num_words},), got {out.dtype} {out.shape}"
+            )
+        if not (out.flags.c_contiguous and out.flags.writeable):
+            raise MatcherError("bitmask must be a writeable, C-contiguous array")
+        if self._state.is_terminated():
+            raise MatcherError("the matcher has terminated (a stop token was accepted); end the generation")
+        # Same bits, int32 view: xgrammar's layout is the bridge's, only the dtype name differs.
+        return bool(self._state.fill_next_token_bitmask(out.view(np.int32)))
+
+    def jump_forward(self) -> str:
+        """The text every continuation must start with ("" when none, or when terminated).
+
+        An inferlet may tokenize it and feed it as one fill instead of decoding it token by token.
+        """
+        if self._state.is_terminated():
+            return ""
+        return str(self._state.find_jump_forward_string())
+
+    def reset(self) -> None:
+        self._state.reset()
+        self._num_accepted = 0
+
+    def fork(self) -> Matcher:
+        """An independent matcher in the same state (for a forked context)."""
+        twin = Matcher(self.grammar, self._state.fork())
+        twin._num_accepted = self._num_accepted
+        return twin

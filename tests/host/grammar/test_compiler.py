@@ -1,0 +1,180 @@
+"""GrammarCompiler: the LRU cache, options, typed errors naming the problem, thread safety."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from host.errors import HostError
+from host.grammar import (
+    GrammarCompiler,
+    GrammarError,
+    InvalidEBNF,
+    InvalidGrammar,
+    InvalidJSONSchema,
+    InvalidRegex,
+    TokenizerSpec,
+    UnsupportedSchema,
+)
+
+
+def _accepts(compiler: GrammarCompiler, grammar_text: str, text: str, **options: object) -> bool:
+    grammar = compiler.compile("json_schema", grammar_text, options)  # type: ignore[arg-type]
+    matcher = grammar.matcher()
+    data = list(text.encode())
+    return matcher.accept_tokens(data) == len(data) and matcher.accept(258)
+
+
+def test_cache_returns_the_same_grammar_for_the_same_key(byte_spec: TokenizerSpec) -> None:
+    compiler = GrammarCompiler(byte_spec, cache_size=2, max_threads=1)
+    a = compiler.regex("a+")
+    assert compiler.regex("a+") is a
+    assert compiler.json_schema({"type": "integer"}) is compiler.json_schema('{"type": "integer"}')
+    assert compiler.json_schema({"type": "integer"}, strict=False) is not compiler.json_schema({"type": "integer"})
+    assert compiler.num_hits == 3
+
+
+def test_cache_evicts_the_least_recently_used(byte_spec: TokenizerSpec) -> None:
+    compiler = GrammarCompiler(byte_spec, cache_size=2, max_threads=1)
+    a = compiler.regex("a")
+    b = compiler.regex("b")
+    assert compiler.regex("a") is a  # a is now the most recent
+    compiler.regex("c")  # evicts b
+    assert compiler.cache_len() == 2
+    assert compiler.regex("a") is a
+    assert compiler.regex("b") is not b
+
+
+def test_concurrent_compiles_of_one_key_agree(byte_spec: TokenizerSpec) -> None:
+    compiler = GrammarCompiler(byte_spec, max_threads=1)
+    results: list[object] = []
+    schema = {"type": "object", "properties": {"x": {"type": "array", "items": {"type": "number"}}}}
+
+    def work() -> None:
+        results.append(compiler.json_schema(schema))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 4
+    assert all(r is compiler.json_schema(schema) for r in results)
+
+
+@pytest.mark.parametrize(
+    ("kind", "text", "error", "words"),
+    [
+        ("json_schema", '{"type": "object"', InvalidJSONSchema, "not valid JSON"),
+        ("json_schema", "[1, 2]", InvalidJSONSchema, "must be an object or a boolean"),
+        ("json_schema", '{"type": "foo"}', InvalidJSONSchema, 'Unsupported type "foo"'),
+        ("json_schema", '{"$ref": "#/definitions/missing"}', InvalidJSONSchema, "missing"),
+        ("json_schema", '{"type": "string", "pattern": "(?<=a)b"}', InvalidJSONSchema, "Lookbehind"),
+        ("regex", "a(b", InvalidRegex, "parenthesis is not closed"),
+        ("regex", r"\p{L}+", InvalidRegex, "Unicode"),
+        ("regex", "[z-a]", InvalidRegex, "lower bound is larger"),
+        ("ebnf", "root ::= foo", InvalidEBNF, 'Rule "foo" is not defined'),
+        ("ebnf", 'root ::= "a', InvalidEBNF, "string literal"),
+        ("ebnf", 'start ::= "a"', InvalidEBNF, '"root" is not found'),
+    ],
+)
+def test_invalid_grammars_raise_typed_errors_naming_the_problem(
+    byte_compiler: GrammarCompiler, kind: str, text: str, error: type[InvalidGrammar], words: str
+) -> None:
+    with pytest.raises(error) as info:
+        byte_compiler.compile(kind, text)
+    assert words in str(info.value)
+    assert "/project/cpp" not in str(info.value), "the engine's source location is stripped"
+    assert isinstance(info.value, GrammarError) and isinstance(info.value, HostError)
+    assert info.value.kind == kind
+
+
+def test_unknown_kind_and_options_are_refused(byte_compiler: GrammarCompiler) -> None:
+    with pytest.raises(InvalidGrammar, match="unknown grammar kind"):
+        byte_compiler.compile("yaml", "")
+    with pytest.raises(InvalidGrammar, match=r"unknown option\(s\) \['stritc'\]"):
+        byte_compiler.compile("json_schema", "{}", {"stritc": True})
+    with pytest.raises(InvalidGrammar, match="must be bool"):
+        byte_compiler.compile("json_schema", "{}", {"strict": "yes"})
+
+
+def test_strict_refuses_undeclared_properties(byte_compiler: GrammarCompiler) -> None:
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}}'
+    assert _accepts(byte_compiler, schema, '{"a":1,"b":2}', strict=False)
+    assert not _accepts(byte_compiler, schema, '{"a":1,"b":2}', strict=True)
+    assert _accepts(byte_compiler, schema, '{"a":1}', strict=True)
+
+
+def test_compact_refuses_whitespace_and_any_whitespace_allows_it(byte_compiler: GrammarCompiler) -> None:
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}}'
+    assert not _accepts(byte_compiler, schema, '{"a": 1}')
+    assert _accepts(byte_compiler, schema, '{ "a" : 1 }', compact=False)
+    assert _accepts(byte_compiler, schema, '{"a": "x y"}'.replace('"x y"', "1"), compact=False)
+
+
+def test_length_limited_strings_refuse_control_characters(byte_compiler: GrammarCompiler) -> None:
+    """xgrammar 0.2.8 lets raw control characters into strings with maxLength (invalid JSON);
+    host.grammar.json_grammar rewrites the rule. Escapes stay refused there (measured: allowing
+    them made masks take 40-750 ms a token)."""
+    schema = '{"type": "string", "maxLength": 4}'
+    assert not _accepts(byte_compiler, schema, '"a\tb"')
+    assert not _accepts(byte_compiler, schema, '"a\x01b"')
+    assert _accepts(byte_compiler, schema, '"a b"')
+    assert _accepts(byte_compiler, schema, '"éé"')
+    assert not _accepts(byte_compiler, schema, '"a\\"b"')
+    assert not _accepts(byte_compiler, schema, '"abcde"')
+
+
+def test_draft4_spellings_are_normalized(byte_compiler: GrammarCompiler) -> None:
+    bounded = '{"type": "number", "minimum": 3, "exclusiveMinimum": true}'
+    assert not _accepts(byte_compiler, bounded, "3")
+    assert _accepts(byte_compiler, bounded, "3.5")
+    tuple_items = '{"type": "array", "items": [{"type": "integer"}], "additionalItems": false}'
+    assert _accepts(byte_compiler, tuple_items, "[1]")
+    assert not _accepts(byte_compiler, tuple_items, "[1,2]")
+
+
+def test_unsupported_keywords_are_listed_or_refused(byte_compiler: GrammarCompiler) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "string", "not": {"const": "x"}}}, "required": ["a"]}
+    grammar = byte_compiler.json_schema(schema)
+    assert grammar.unsupported == ("not at /properties/a",)
+    with pytest.raises(UnsupportedSchema, match="not at /properties/a") as info:
+        byte_compiler.json_schema(schema, reject_unsupported=True)
+    assert info.value.features == ("not at /properties/a",)
+    assert byte_compiler.json_schema({"type": "integer"}, reject_unsupported=True).unsupported == ()
+
+
+def test_grammar_records_how_it_was_asked_for(byte_compiler: GrammarCompiler) -> None:
+    grammar = byte_compiler.ebnf('top ::= "x"', root="top")
+    assert (grammar.kind, grammar.text, grammar.options) == ("ebnf", 'top ::= "x"', {"root": "top"})
+    assert grammar.vocab_size == 260
+    assert grammar.compile_time_s >= 0.0
+
+
+def test_free_form_json_is_compact_too(byte_compiler: GrammarCompiler) -> None:
+    """xgrammar 0.2.8 separates free-form elements with ", " even in compact mode; fixed."""
+    compact = '{"a":[1,2,{"b":null,"c":"x, y"}],"d":{}}'
+    for kind in ("json_object", "json"):
+        matcher = byte_compiler.compile(kind, "").matcher()
+        assert matcher.accept_tokens(list(compact.encode())) == len(compact) and matcher.accept(258), kind
+        matcher = byte_compiler.compile(kind, "").matcher()
+        spaced = '{"a":[1, 2]}'
+        assert matcher.accept_tokens(list(spaced.encode())) < len(spaced), kind
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}}'
+    assert _accepts(byte_compiler, schema, '{"a":1,"extra":[1,2],"more":{"x":1,"y":2}}', strict=False)
+
+
+def test_long_max_lengths_are_listed_not_enforced(byte_compiler: GrammarCompiler) -> None:
+    """Each maxLength bound costs seconds to compile past a few dozen; above the limit it is
+    dropped and reported, unless the caller raises `max_length_limit`."""
+    schema = {"type": "object", "properties": {"x": {"type": "string", "maxLength": 40}}}
+    grammar = byte_compiler.json_schema(schema)
+    assert grammar.unsupported == ("maxLength above 32 at /properties/x",)
+    assert _accepts(byte_compiler, json.dumps(schema), '{"x":"' + "a" * 50 + '"}')
+    enforced = byte_compiler.json_schema(schema, max_length_limit=40)
+    assert enforced.unsupported == ()
+    assert not _accepts(byte_compiler, json.dumps(schema), '{"x":"' + "a" * 50 + '"}', max_length_limit=40)
+    with pytest.raises(UnsupportedSchema, match="maxLength above 32"):
+        byte_compiler.json_schema(schema, reject_unsupported=True)

@@ -1,0 +1,148 @@
+"""The measured coverage of xgrammar 0.2.8 behind schema_support: each keyword listed as not
+enforced really lets a violating instance through (and is reported), each enforced keyword
+refuses one (and is not reported). A new xgrammar that changes either fails here."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from host.grammar import GrammarCompiler
+from host.grammar.schema_support import full_match_pattern, normalize, unsupported_features
+
+from .conftest import BYTE_STOPS
+
+NOT_ENFORCED: list[tuple[str, dict[str, Any], Any]] = [
+    ("not", {"type": "string", "not": {"const": "a"}}, "a"),
+    ("if", {"type": "object", "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}}, {"a": 1}),
+    ("dependencies", {"type": "object", "dependencies": {"a": ["b"]}}, {"a": 1}),
+    ("dependentRequired", {"type": "object", "dependentRequired": {"a": ["b"]}}, {"a": 1}),
+    ("uniqueItems", {"type": "array", "uniqueItems": True}, [1, 1]),
+    ("contains", {"type": "array", "contains": {"const": 5}}, [1]),
+    ("allOf (more than one subschema)", {"allOf": [{"type": "string"}, {"minLength": 3}]}, "a"),
+    ("oneOf (matched as anyOf)", {"oneOf": [{"type": "integer"}, {"minimum": 0}]}, 1),
+    ("multipleOf (only on integers without bounds)", {"type": "number", "multipleOf": 0.5}, 0.3),
+    ("multipleOf (only on integers without bounds)", {"type": "integer", "minimum": 0, "multipleOf": 12}, 25),
+    ("format 'color'", {"type": "string", "format": "color"}, "not a color"),
+    ("required (a name not in properties)", {"type": "object", "required": ["a"]}, {}),
+    (
+        "patternProperties (ignored beside properties unless strict)",
+        {"type": "object", "properties": {"b": {}}, "patternProperties": {"^a": {"type": "string"}}},
+        {"a": 1},
+    ),
+]
+
+ENFORCED: list[tuple[str, dict[str, Any], Any]] = [
+    ("allOf of one", {"allOf": [{"type": "string", "minLength": 3}]}, "a"),
+    (
+        "patternProperties",
+        {"type": "object", "patternProperties": {"^a": {"type": "integer"}}, "additionalProperties": False},
+        {"ab": "x"},
+    ),
+    ("propertyNames", {"type": "object", "propertyNames": {"pattern": "^a"}}, {"b": 1}),
+    ("multipleOf on integers", {"type": "integer", "multipleOf": 3}, 4),
+    ("minimum", {"type": "integer", "minimum": 3}, 2),
+    ("exclusiveMinimum", {"type": "number", "exclusiveMinimum": 3}, 3),
+    ("maxLength", {"type": "string", "maxLength": 2}, "abc"),
+    ("pattern", {"type": "string", "pattern": "^a+$"}, "b"),
+    ("pattern is a search", {"type": "string", "pattern": "^pkg:"}, "xpkg:"),
+    (
+        "patternProperties is a search",
+        {"type": "object", "patternProperties": {"_id": {"type": "integer"}}, "additionalProperties": False},
+        {"my_id": "x"},
+    ),
+    ("format email", {"type": "string", "format": "email"}, "b"),
+    ("format date-time", {"type": "string", "format": "date-time"}, "b"),
+    ("minProperties", {"type": "object", "minProperties": 2}, {"a": 1}),
+    ("maxProperties", {"type": "object", "maxProperties": 1}, {"a": 1, "b": 2}),
+    ("minItems", {"type": "array", "minItems": 2}, [1]),
+    ("enum", {"enum": [1, 2]}, 3),
+    ("const", {"const": "x"}, "y"),
+    ("prefixItems", {"type": "array", "prefixItems": [{"type": "integer"}], "items": False}, [1, 2]),
+    ("additionalProperties", {"type": "object", "properties": {"a": {}}, "additionalProperties": False}, {"b": 1}),
+    ("required", {"type": "object", "properties": {"a": {}}, "required": ["a"]}, {}),
+]
+
+
+def _accepts(compiler: GrammarCompiler, schema: dict[str, Any], instance: Any) -> bool:
+    matcher = compiler.json_schema(schema, strict=False).matcher()
+    data = list(json.dumps(instance, separators=(",", ":")).encode())
+    return matcher.accept_tokens(data) == len(data) and matcher.accept(BYTE_STOPS[0])
+
+
+@pytest.mark.parametrize(("feature", "schema", "violation"), NOT_ENFORCED, ids=[f[0] for f in NOT_ENFORCED])
+def test_keywords_not_enforced_are_reported(
+    byte_compiler: GrammarCompiler, feature: str, schema: dict[str, Any], violation: Any
+) -> None:
+    assert _accepts(byte_compiler, schema, violation), f"xgrammar now enforces {feature}: update schema_support"
+    assert f"{feature} at /" in unsupported_features(normalize(schema), strict=False)
+
+
+@pytest.mark.parametrize(("feature", "schema", "violation"), ENFORCED, ids=[f[0] for f in ENFORCED])
+def test_enforced_keywords_refuse_violations(
+    byte_compiler: GrammarCompiler, feature: str, schema: dict[str, Any], violation: Any
+) -> None:
+    assert not _accepts(byte_compiler, schema, violation)
+    assert unsupported_features(normalize(schema), strict=False) == ()
+
+
+def test_features_carry_json_pointers() -> None:
+    schema = {
+        "$defs": {"a/b": {"not": {}}},
+        "properties": {"x": {"items": [{"uniqueItems": True}]}},
+        "anyOf": [{"if": {}}],
+    }
+    assert unsupported_features(normalize(schema), strict=True) == (
+        "if at /anyOf/0",
+        "not at /$defs/a~1b",
+        "uniqueItems at /properties/x/prefixItems/0",
+    )
+
+
+def test_normalize_rewrites_older_drafts_only_where_needed() -> None:
+    assert normalize({"minimum": 1, "exclusiveMinimum": True}) == {"exclusiveMinimum": 1}
+    assert normalize({"maximum": 1, "exclusiveMaximum": False}) == {"maximum": 1}
+    assert normalize({"items": [{}], "additionalItems": False}) == {"prefixItems": [{}], "items": False}
+    assert normalize({"items": {}, "additionalItems": False}) == {"items": {}}
+    assert normalize({"type": "array", "minItems": 1}) == {"type": "array", "minItems": 1, "items": {}}
+    nested = {"properties": {"a": {"anyOf": [{"minimum": 0, "exclusiveMinimum": True}]}}}
+    assert normalize(nested) == {"properties": {"a": {"anyOf": [{"exclusiveMinimum": 0}]}}}
+    assert normalize(True) is True
+
+
+@pytest.mark.parametrize(
+    ("schema", "instance"),
+    [
+        ({"type": "string", "pattern": "^pkg:"}, "pkg:serializer"),
+        ({"type": "string", "pattern": "b+"}, "abba"),
+        ({"type": "string", "pattern": ""}, "anything"),
+        (
+            {"type": "object", "patternProperties": {"^S_": {"type": "integer"}}, "additionalProperties": False},
+            {"S_x": 1},
+        ),
+    ],
+)
+def test_patterns_search_like_json_schema(
+    byte_compiler: GrammarCompiler, schema: dict[str, Any], instance: Any
+) -> None:
+    assert _accepts(byte_compiler, schema, instance)
+
+
+def test_full_match_pattern() -> None:
+    assert full_match_pattern("^a+$") == "^a+$"
+    assert full_match_pattern("^pkg:") == "(pkg:).*"
+    assert full_match_pattern("abc") == ".*(abc).*"
+    assert full_match_pattern("x\\$") == ".*(x\\$).*"
+    assert full_match_pattern("") == ".*"
+
+
+def test_pattern_properties_alone_refuse_other_keys(byte_compiler: GrammarCompiler) -> None:
+    """Narrower than JSON Schema (which allows keys matching no pattern): reported too."""
+    schema = {"type": "object", "patternProperties": {"^a": {"type": "integer"}}}
+    assert not _accepts(byte_compiler, schema, {"z": 1})
+    assert unsupported_features(normalize(schema), strict=False) == (
+        "patternProperties (keys matching no pattern are refused) at /",
+    )
+    assert unsupported_features(normalize(schema), strict=True) == ()

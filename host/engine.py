@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.abc
@@ -52,6 +52,9 @@ from host.services import ModelInfo, PassRequest, PassResult, Tokenizer
 from host.staging import Staging, shape_of
 from host.tokenizer import tokenizer_from_handshake
 
+if TYPE_CHECKING:
+    from host.grammar import GrammarCompiler
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -81,6 +84,8 @@ class Engine:
         self._adapters: dict[str, int] = {}  # name -> driver adapter id (kept loaded)
         self._run_adapters: dict[int, set[int]] = {}
         self._adapter_lock = threading.Lock()
+        self._grammar_lock = threading.Lock()
+        self._grammar_compiler: GrammarCompiler | None = None
         self._num_in_flight = 0
         self._schedule_s = 0.0  # building passes: scheduler + CSR packing (loop thread)
         self._complete_s = 0.0  # routing results back to runs (loop thread)
@@ -222,7 +227,12 @@ class Engine:
             kv_start = self._pages.length(context_id)
             checked = check_request(request, kv_start, self._handshake, self._run_adapters.get(run_id, set()))
             shape = shape_of(
-                checked.tokens, checked.positions, checked.outputs, request.adapter_id, checked.mask_rows is not None
+                checked.tokens,
+                checked.positions,
+                checked.outputs,
+                request.adapter_id,
+                checked.mask_rows is not None,
+                request.has_grammar,
             )
             staged = self._staging.take(context_id, shape)
             if staged is not None:
@@ -259,11 +269,22 @@ class Engine:
                     outputs=checked.outputs,
                     adapter_id=request.adapter_id,
                     mask_rows=checked.mask_rows,
+                    has_grammar=request.has_grammar,
                 )
                 self._futures[item.ticket] = future
                 self._enqueue(item)
         self._wake_loop()
         return future.result()
+
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler for this driver's tokenizer, built on first use (importing
+        xgrammar and building the token table take a second or two)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                from host.grammar import GrammarCompiler, TokenizerSpec
+
+                self._grammar_compiler = GrammarCompiler(TokenizerSpec.from_handshake(self._handshake))
+            return self._grammar_compiler
 
     def speculation_stats(self) -> dict[str, int]:
         """Hits, staged passes, misses and skips by reason (for benches and /metrics)."""
@@ -341,7 +362,14 @@ class Engine:
             if future is not None:
                 future.set_result(PassResult(outputs=item.results))
             if self._staging.is_enabled and item.results and self._pages.has(item.context_id):
-                shape = shape_of(item.tokens, item.positions, item.outputs, item.adapter_id, item.mask_rows is not None)
+                shape = shape_of(
+                    item.tokens,
+                    item.positions,
+                    item.outputs,
+                    item.adapter_id,
+                    item.mask_rows is not None,
+                    item.has_grammar,
+                )
                 self._staging.stage_after(item.run_id, item.context_id, shape, item.results[-1].token)
 
     # ------------------------------------------------------------------ run-thread helpers

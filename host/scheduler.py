@@ -64,6 +64,7 @@ class PendingPass:
     outputs: tuple[OutputSpec, ...] = ()
     adapter_id: int = -1
     mask_rows: Sequence[Sequence[int]] | None = None
+    has_grammar: bool = False
     num_done: int = 0  # tokens whose chunks have returned
     results: list[OutputResult] = field(default_factory=list)
     is_cancelled: bool = False

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from bridge_schema.batch import OutputResult, OutputSpec
+
+if TYPE_CHECKING:
+    from host.grammar import GrammarCompiler
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +45,9 @@ class PassRequest:
     # `attention_window` keys ending at the row's own slot (0 = no window). The host expands it.
     attention_window: int = 0
     attention_sinks: int = 0
+    # Some output row's logit mask comes from a grammar matcher (never served speculatively,
+    # even when the matcher happens to allow every token).
+    has_grammar: bool = False
 
 
 @dataclass(slots=True)
@@ -83,5 +89,9 @@ class Services(Protocol):
         ...
 
     def load_adapter(self, run_id: int, name: str) -> int: ...
+
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler for this driver's tokenizer (built on first use, then shared)."""
+        ...
 
     def end_run(self, run_id: int) -> None: ...

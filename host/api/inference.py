@@ -19,9 +19,10 @@ import numpy.typing as npt
 import wasmtime
 from wasmtime.component import LinkerInstance, Record, ResourceAny, ResourceHost, ResourceType
 
-from bridge_schema.batch import OutputResult, OutputSpec, Sampler, pack_allowed
+from bridge_schema.batch import OutputResult, OutputSpec, Sampler, logit_mask_words, pack_allowed
 from bridge_schema.messages import Probe, SamplerKind
 from host.api import adapter as adapter_api
+from host.api import grammar as grammar_api
 from host.api.host_call import borrowed_rep, error_text, host_function, record
 from host.api.host_call import field as rec_field
 from host.errors import HostError
@@ -54,6 +55,7 @@ class PassBuilder:
     window: int = 0
     sinks: int = 0
     mask_rows: list[list[int]] | None = None
+    matchers: dict[int, int] = field(default_factory=dict)  # output row -> matcher rep
     is_executed: bool = False
     submitted: Future[list[Record] | str] | None = None
 
@@ -142,6 +144,39 @@ def logit_mask(run: RunState, handle: ResourceAny, row: int, runs: list[int]) ->
     raise wasmtime.WasmtimeError(f"no output on row {row}: call output() for it first")
 
 
+@host_function
+def use_matcher(run: RunState, handle: ResourceAny, row: int, matcher_id: int) -> None:
+    builder = _builder(run, handle)
+    try:
+        grammar_api.matcher_by_rep(run, matcher_id)
+    except KeyError:
+        raise wasmtime.WasmtimeError(f"no live matcher with id {matcher_id}") from None
+    if not any(spec.row == row for spec in builder.outputs):
+        raise wasmtime.WasmtimeError(f"no output on row {row}: call output() for it first")
+    builder.matchers[row] = matcher_id
+
+
+def _apply_matchers(run: RunState, builder: PassBuilder) -> str | None:
+    """Fill each matcher row's logit mask from its matcher's current state (at execute time)."""
+    vocab_size = run.services.model.vocab_size
+    for i, spec in enumerate(builder.outputs):
+        rep = builder.matchers.get(spec.row)
+        if rep is None:
+            continue
+        words = np.zeros(logit_mask_words(vocab_size), dtype=np.uint32)
+        try:
+            is_constrained = grammar_api.matcher_by_rep(run, rep).fill_bitmask(words)
+        except KeyError:
+            return f"the matcher of row {spec.row} was dropped"
+        except HostError as exc:  # e.g. the matcher already terminated
+            return error_text(exc)
+        if not is_constrained:  # every token allowed; the pass still counts as constrained
+            continue
+        mask = words if spec.logit_mask is None else words & spec.logit_mask  # both constrain
+        builder.outputs[i] = replace(spec, logit_mask=mask)
+    return None
+
+
 def _bitmap(runs: list[int], vocab_size: int) -> npt.NDArray[np.uint32]:
     """A BRLE vocabulary mask as the bridge's packed bitmap (bit j of word i = token 32i+j)."""
     allowed = np.repeat(np.arange(len(runs)) % 2 == 1, runs)
@@ -178,7 +213,7 @@ def _output_record(spec: OutputSpec, result: OutputResult) -> Record:
 
 def _run_pass_raw(run: RunState, builder: PassBuilder) -> list[OutputResult] | str:
     """Validate and run one pass; the engine's results, or the error the guest gets."""
-    problem = _validate(run, builder)
+    problem = _validate(run, builder) or _apply_matchers(run, builder)
     if problem is not None:
         return problem
     builder.is_executed = True
@@ -195,6 +230,7 @@ def _run_pass_raw(run: RunState, builder: PassBuilder) -> list[OutputResult] | s
         mask_rows=builder.mask_rows,
         attention_window=builder.window,
         attention_sinks=builder.sinks,
+        has_grammar=bool(builder.matchers),
     )
     started_s = time.perf_counter()
     try:
@@ -295,6 +331,7 @@ def register(instance: LinkerInstance) -> None:
     instance.add_func("[method]forward-pass.attention-window", attention_window)
     instance.add_func("[method]forward-pass.attention-rows", attention_rows)
     instance.add_func("[method]forward-pass.logit-mask", logit_mask)
+    instance.add_func("[method]forward-pass.use-matcher", use_matcher)
     instance.add_func("[method]forward-pass.submit", submit)
     instance.add_func("[method]forward-pass.execute", execute)
     if USE_RAW_DECODE:

@@ -13,12 +13,12 @@ def new_linker(engine: wasmtime.Engine) -> Linker:
     # Imported here, not at the top: the host modules import `host.sandbox.run_state`, and this
     # package's __init__ imports this module, so a top-level import would be circular whenever
     # `host.api` is imported first.
-    from host.api import adapter, context, inference, interface_name, model, runtime
+    from host.api import adapter, context, grammar, inference, interface_name, model, runtime
 
     linker = Linker(engine)
     linker.add_wasip2()
     with linker.root() as root:
-        for module in (runtime, model, context, adapter, inference):
+        for module in (runtime, model, context, adapter, grammar, inference):
             with root.add_instance(interface_name(module.INTERFACE)) as instance:
                 module.register(instance)
     return linker

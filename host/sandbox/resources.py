@@ -19,6 +19,8 @@ class ResourceKind(enum.IntEnum):
     CONTEXT = 1
     ADAPTER = 2
     FORWARD_PASS = 3
+    GRAMMAR = 4
+    MATCHER = 5
 
 
 @dataclass(slots=True)

@@ -168,3 +168,16 @@ def test_a_rewind_drops_the_staged_step_even_when_the_next_request_looks_identic
     assert stats_delta(engine, before).get("speculation_hits", 0) == 0
     assert engine.context_length(run, ctx) == 3
     engine.end_run(run)
+
+
+def test_a_grammar_request_is_never_served_even_when_its_matcher_allows_every_token(engine: Engine) -> None:
+    run = next(_runs)
+    ctx = engine.create_context(run)
+    token = step(engine, run, ctx, [65, 66])
+    token = step(engine, run, ctx, [token])  # stages the next step
+    before = engine.speculation_stats()
+    token = step(engine, run, ctx, [token], has_grammar=True)  # no logit mask: the matcher allowed all
+    delta = stats_delta(engine, before)
+    assert delta.get("speculation_hits", 0) == 0 and delta["speculation_miss_grammar"] == 1
+    assert delta["speculation_skip_grammar"] == 1  # and nothing is staged from it
+    engine.end_run(run)

@@ -18,6 +18,7 @@ from inferlet.arguments import ArgumentParser
 from inferlet.attention import LogitMask, Window
 from inferlet.context import Context, InferenceError, TokenChoice, decode_steps, top_k_all
 from inferlet.errors import InferletError
+from inferlet.grammar import Grammar, GrammarError, Matcher
 from inferlet.model import ChatMessage, ModelInfo, detokenize, model_info, render_chat, tokenize
 from inferlet.runtime import args, emit, log, receive, run_id, send
 from inferlet.sampling import Greedy, Random, Sampler
@@ -29,10 +30,13 @@ __all__ = [
     "ArgumentParser",
     "ChatMessage",
     "Context",
+    "Grammar",
+    "GrammarError",
     "Greedy",
     "InferenceError",
     "InferletError",
     "LogitMask",
+    "Matcher",
     "ModelInfo",
     "Random",
     "Sampler",

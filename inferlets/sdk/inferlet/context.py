@@ -16,6 +16,7 @@ from wit_world.imports import inference as _inf
 
 from inferlet.adapter import Adapter
 from inferlet.attention import LogitMask, Window
+from inferlet.grammar import Grammar, Matcher
 from inferlet.model import model_info, tokenize
 from inferlet.sampling import Greedy, Sampler
 from inferlet.text import TextDecoder
@@ -141,7 +142,12 @@ class Context:
             fp.attention_window(self.attention.size, self.attention.sinks)
 
     def _pending_pass(
-        self, sampler: Sampler, probe: _inf.Probe, k: int, logit_mask: LogitMask | None = None
+        self,
+        sampler: Sampler,
+        probe: _inf.Probe,
+        k: int,
+        logit_mask: LogitMask | None = None,
+        matcher: Matcher | None = None,
     ) -> _inf.ForwardPass:
         """A configured, not yet executed pass over the pending tokens, sampling the last row."""
         todo = self.pending
@@ -153,27 +159,37 @@ class Context:
         fp.output(len(todo) - 1, sampler.to_wit(), probe, k)
         if logit_mask is not None:
             fp.logit_mask(len(todo) - 1, list(logit_mask.runs))
+        if matcher is not None:
+            fp.use_matcher(len(todo) - 1, matcher.id)
         return fp
 
     def _run_pending(
-        self, sampler: Sampler, probe: _inf.Probe, k: int, logit_mask: LogitMask | None = None
+        self,
+        sampler: Sampler,
+        probe: _inf.Probe,
+        k: int,
+        logit_mask: LogitMask | None = None,
+        matcher: Matcher | None = None,
     ) -> _inf.Output:
-        with self._pending_pass(sampler, probe, k, logit_mask) as fp:
+        with self._pending_pass(sampler, probe, k, logit_mask, matcher) as fp:
             (out,) = _call(fp.execute)
         self._committed = len(self._tokens)
         return out
 
-    def decode_step(self, sampler: Sampler = GREEDY, logit_mask: LogitMask | None = None) -> int:
+    def decode_step(
+        self, sampler: Sampler = GREEDY, logit_mask: LogitMask | None = None, matcher: Matcher | None = None
+    ) -> int:
         """Run the pending tokens and sample the next token, which becomes pending. A
-        `logit_mask` restricts which tokens this step may sample."""
+        `logit_mask` restricts which tokens this step may sample; so does a grammar `matcher`
+        (the caller feeds the token back with `matcher.accept`; `generate` does it for you)."""
         todo = self.pending
         if not todo:
             raise InferenceError("nothing to predict from: fill() the context first")
-        if self.adapter is None and self.attention is None and logit_mask is None:
+        if self.adapter is None and self.attention is None and logit_mask is None and matcher is None:
             token = _call(_inf.decode, self._live(), todo, sampler.to_wit())
             self._committed = len(self._tokens)
         else:  # the one-call `decode` carries no adapter or mask: use a full forward pass
-            token = self._run_pending(sampler, _NO_PROBE, 0, logit_mask).token
+            token = self._run_pending(sampler, _NO_PROBE, 0, logit_mask, matcher).token
         self._tokens.append(token)
         return token
 
@@ -183,22 +199,39 @@ class Context:
         out = self._run_pending(Greedy(), _inf.Probe.LOGPROBS, k)
         return [TokenChoice(int(t), float(p)) for t, p in zip(out.topk_ids, out.topk_logprobs, strict=True)]
 
-    def generate(self, max_tokens: int, stop: Iterable[int] | None = None, sampler: Sampler = GREEDY) -> Iterator[int]:
+    def generate(
+        self,
+        max_tokens: int,
+        stop: Iterable[int] | None = None,
+        sampler: Sampler = GREEDY,
+        grammar: Grammar | None = None,
+    ) -> Iterator[int]:
         """Sample up to `max_tokens` tokens, yielding each. Stops early at a token in `stop`
-        (default: the model's stop tokens), which is appended but not yielded."""
+        (default: the model's stop tokens), which is appended but not yielded. With a
+        `grammar`, every step is constrained by it and generation ends when it is complete."""
         stop_set = set(model_info().stop_tokens if stop is None else stop)
+        matcher = grammar.matcher() if grammar is not None else None
         for _ in range(max_tokens):
-            token = self.decode_step(sampler)
+            token = self.decode_step(sampler, matcher=matcher)
+            if matcher is not None:
+                if not matcher.accept(token):
+                    raise InferenceError(f"the host sampled token {token}, which the grammar refuses")
+                if matcher.is_terminated():
+                    return  # the grammar ended on a stop token: appended, not yielded
             if token in stop_set:
                 return
             yield token
 
     def generate_text(
-        self, max_tokens: int, stop: Iterable[int] | None = None, sampler: Sampler = GREEDY
+        self,
+        max_tokens: int,
+        stop: Iterable[int] | None = None,
+        sampler: Sampler = GREEDY,
+        grammar: Grammar | None = None,
     ) -> Iterator[str]:
         """Like `generate`, yielding printable text pieces instead of tokens."""
         decoder = TextDecoder()
-        for token in self.generate(max_tokens, stop, sampler):
+        for token in self.generate(max_tokens, stop, sampler, grammar):
             piece = decoder.push(token)
             if piece:
                 yield piece

@@ -2,7 +2,7 @@
 
 For each grammar: cold compile time (fresh compiler), strict and not strict for JSON schemas;
 then one valid output fed token by token, timing `fill_bitmask` and `accept` per token (p50,
-p90, max) and `jump_forward` (p50). Schemas come from ../shared/data/jsonschemas when it is
+p90, max) and `jump_forward` (p50). Schemas come from tests/data/jsonschemas (vendored from the project's shared data) when it is
 there. Prints a table, writes JSON.
 
     python bench/grammar.py [--threads N] [--out bench/results/grammar.json]
@@ -21,7 +21,7 @@ from typing import Any
 
 from host.grammar import GrammarCompiler, TokenizerSpec, allocate_bitmask
 
-CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "jsonschemas"
+CORPUS = Path(__file__).resolve().parents[1] / "tests" / "data" / "jsonschemas"
 CORPUS_PICKS = ("001_Github_trivial_o72207.json", "069_Github_hard_o5374.json", "137_Kubernetes_kb_161_Normalized.json")
 PERSON = {
     "type": "object",

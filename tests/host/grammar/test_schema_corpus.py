@@ -1,4 +1,4 @@
-"""The 133 real-world schemas of ../shared/data/jsonschemas with the SmolLM2 tokenizer.
+"""The 133 real-world schemas of tests/data/jsonschemas (vendored from the project's shared data) with the SmolLM2 tokenizer.
 
 Every schema compiles (strict) or fails with a typed GrammarError. For the agreement check each
 instance is serialized compactly with its keys in the schema's property order (schema_order),
@@ -33,7 +33,7 @@ from host.grammar import GrammarCompiler, GrammarError
 from .conftest import SMOL_EOS
 from .schema_order import in_schema_order
 
-CORPUS = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "jsonschemas"
+CORPUS = Path(__file__).resolve().parents[2] / "data" / "jsonschemas"  # vendored from shared/data
 
 # Non-strict compile seconds measured here (2 shared cores); strict takes 0.3 s at most.
 SLOW_NON_STRICT: frozenset[str] = frozenset(

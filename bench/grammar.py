@@ -2,8 +2,8 @@
 
 For each grammar: cold compile time (fresh compiler), strict and not strict for JSON schemas;
 then one valid output fed token by token, timing `fill_bitmask` and `accept` per token (p50,
-p90, max) and `jump_forward` (p50). Schemas come from tests/data/jsonschemas (vendored from the project's shared data) when it is
-there. Prints a table, writes JSON.
+p90, max) and `jump_forward` (p50). Schemas come from tests/data/jsonschemas (vendored from the
+project's shared data). Prints a table, writes JSON.
 
     python bench/grammar.py [--threads N] [--out bench/results/grammar.json]
 """

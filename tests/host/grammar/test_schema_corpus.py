@@ -1,4 +1,5 @@
-"""The 133 real-world schemas of tests/data/jsonschemas (vendored from the project's shared data) with the SmolLM2 tokenizer.
+"""The 133 real-world schemas of tests/data/jsonschemas (vendored from the project's shared
+data) with the SmolLM2 tokenizer.
 
 Every schema compiles (strict) or fails with a typed GrammarError. For the agreement check each
 instance is serialized compactly with its keys in the schema's property order (schema_order),

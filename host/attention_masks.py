@@ -76,3 +76,8 @@ def drop_unattended_pages(
 
     new_rows = [from_intervals([(rebase(a, False), rebase(b, True)) for a, b in ivs], new_kv) for ivs in per_row]
     return kept, last_page_len, new_rows
+
+
+def attends_within(rows: Sequence[Sequence[int]], start: int, stop: int) -> bool:
+    """True if some row attends to a key in [start, stop)."""
+    return any(a < stop and start < b for row in rows for a, b in true_intervals(row))

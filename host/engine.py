@@ -44,7 +44,7 @@ from host.errors import (
     RunEnded,
 )
 from host.pages import PageCopy, PageTable, copy_groups
-from host.pass_check import check_request
+from host.pass_check import check_holes_masked, check_request
 from host.prefix import PrefixReuse
 from host.prefix_cache import PrefixCache
 from host.scheduler import Batch, PassLimits, PendingPass, Scheduler
@@ -211,6 +211,16 @@ class Engine:
             self._check_owner(run_id, context_id)
             self._drop_context(context_id, RunEnded(f"context {context_id} was released while its pass waited"))
 
+    def release_slots(self, run_id: int, context_id: int, start: int, stop: int) -> int:
+        with self._lock:
+            self._check_owner(run_id, context_id)
+            self._staging.invalidate(context_id)
+            self._check_idle(run_id, context_id, "release pages of")
+            released = self._pages.release_pages(context_id, start, stop)
+            if released and self._prefix is not None:
+                self._prefix.on_release_pages(context_id)
+            return released
+
     def end_run(self, run_id: int) -> None:
         with self._lock:
             for context_id in [c for c, r in self._owner.items() if r == run_id]:
@@ -226,6 +236,8 @@ class Engine:
             self._check_owner(run_id, context_id)
             kv_start = self._pages.length(context_id)
             checked = check_request(request, kv_start, self._handshake, self._run_adapters.get(run_id, set()))
+            if self._pages.has_holes(context_id):
+                check_holes_masked(checked, self._pages.pages(context_id), self._pages.page_size)
             shape = shape_of(
                 checked.tokens,
                 checked.positions,

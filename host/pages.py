@@ -31,6 +31,11 @@ class _ContextPages:
     length: int = 0
 
 
+# A page a context released from its middle (attention sinks + window): its slots keep their
+# positions but hold nothing; every later pass of the context must mask them out.
+HOLE = -1
+
+
 def pages_for(length: int, page_size: int) -> int:
     """Number of pages that hold `length` slots."""
     return -(-length // page_size)
@@ -98,7 +103,8 @@ class PageTable:
             copies.append(PageCopy(src.pages[num_full], dst_page))
             pages.append(dst_page)
         for page in shared:
-            self._refcount[page] += 1
+            if page != HOLE:
+                self._refcount[page] += 1
         self._contexts[dst_id] = _ContextPages(pages, src.length)
         return copies
 
@@ -155,10 +161,29 @@ class PageTable:
         ctx = self._get(context_id)
         assert (index + 1) * self.page_size <= ctx.length, "only full pages are cached"
         page = ctx.pages[index]
-        if not self.prefix_cache.insert(key, page):
+        if page == HOLE or not self.prefix_cache.insert(key, page):
             return False
         self._refcount[page] += 1
         return True
+
+    def release_pages(self, context_id: int, start: int, stop: int) -> int:
+        """Release the whole pages inside slots [start, stop) before the context's last page:
+        they become holes (positions unchanged). Returns how many pages were released."""
+        ctx = self._get(context_id)
+        if not 0 <= start <= stop <= ctx.length:
+            raise InvalidRequest(f"cannot release slots [{start}, {stop}) of a context of length {ctx.length}")
+        first = -(-start // self.page_size)
+        last = min(stop // self.page_size, (ctx.length - 1) // self.page_size)  # never the last page
+        released = 0
+        for i in range(first, last):
+            if ctx.pages[i] != HOLE:
+                self._decref(ctx.pages[i])
+                ctx.pages[i] = HOLE
+                released += 1
+        return released
+
+    def has_holes(self, context_id: int) -> bool:
+        return HOLE in self._get(context_id).pages
 
     def truncate(self, context_id: int, length: int) -> None:
         """Keep the first `length` slots; pages wholly past them go back to the pool."""
@@ -166,8 +191,11 @@ class PageTable:
         if not 0 <= length <= ctx.length:
             raise InvalidRequest(f"cannot truncate context {context_id} of length {ctx.length} to {length}")
         keep = pages_for(length, self.page_size)
+        if length % self.page_size and keep and ctx.pages[keep - 1] == HOLE:
+            raise InvalidRequest(f"cannot rewind context {context_id} into a released page")
         for page in ctx.pages[keep:]:
-            self._decref(page)
+            if page != HOLE:
+                self._decref(page)
         del ctx.pages[keep:]
         ctx.length = length
 
@@ -176,7 +204,8 @@ class PageTable:
         if ctx is None:
             raise ContextNotFound(context_id)
         for page in ctx.pages:
-            self._decref(page)
+            if page != HOLE:
+                self._decref(page)
 
     # ------------------------------------------------------------------ internals
 

@@ -13,8 +13,9 @@ import numpy.typing as npt
 
 from bridge_schema.batch import OutputSpec, logit_mask_words
 from bridge_schema.messages import Handshake, SamplerKind
-from host.attention_masks import window_rows
+from host.attention_masks import attends_within, window_rows
 from host.errors import InvalidRequest
+from host.pages import HOLE
 from host.services import PassRequest
 
 
@@ -83,3 +84,15 @@ def check_request(request: PassRequest, kv_start: int, h: Handshake, adapters: s
     if h.max_mask_bytes and 4 * max(row_words) > h.max_mask_bytes:
         raise InvalidRequest(f"one row's masks exceed the driver's {h.max_mask_bytes} mask bytes per pass")
     return CheckedPass(tokens.astype(np.uint32), positions.astype(np.uint32), outputs, mask_rows)
+
+
+def check_holes_masked(checked: CheckedPass, pages: tuple[int, ...], page_size: int) -> None:
+    """A context with released pages (holes) may only run passes whose masks exclude them."""
+    if checked.mask_rows is None:
+        raise InvalidRequest(
+            "this context released pages from its middle: its passes need an attention mask "
+            "(e.g. a window with sinks) that excludes them"
+        )
+    for index, page in enumerate(pages):
+        if page == HOLE and attends_within(checked.mask_rows, index * page_size, (index + 1) * page_size):
+            raise InvalidRequest(f"the attention mask reaches into released page {index} of the context")

@@ -46,6 +46,10 @@ class PrefixReuse:
         del h.tokens[length:], h.positions[length:], h.adapters[length:]
         del h.keys[length // self._page_size :]
 
+    def on_release_pages(self, context_id: int) -> None:
+        """Pages were released from the context's middle: name none of its pages from now on."""
+        self._history[context_id].is_masked = True
+
     def on_release(self, context_id: int) -> None:
         self._history.pop(context_id, None)
 

@@ -15,7 +15,7 @@ import numpy.typing as npt
 
 from bridge_schema.batch import OutputResult, OutputSpec, RequestSpec, logit_mask_words
 from host.attention_masks import drop_unattended_pages
-from host.pages import pages_for
+from host.pages import HOLE, pages_for
 
 _UNLIMITED = 1 << 62
 
@@ -304,6 +304,7 @@ class Scheduler:
             pages, last_page_len, mask_rows = drop_unattended_pages(
                 pages, last_page_len, stop - start, mask_rows, self.page_size
             )
+        assert HOLE not in pages, "a released page reached a pass (its mask was checked on entry)"
         spec = RequestSpec(
             context_id=item.context_id,
             tokens=item.tokens[start:stop],

@@ -83,6 +83,12 @@ class Services(Protocol):
 
     def release_context(self, run_id: int, context_id: int) -> None: ...
 
+    def release_slots(self, run_id: int, context_id: int, start: int, stop: int) -> int:
+        """Release the whole pages inside slots [start, stop) (never the last page): their
+        memory goes back to the pool, positions stay, and every later pass of the context must
+        mask them out. Returns the number of pages released."""
+        ...
+
     def forward(self, run_id: int, context_id: int, request: PassRequest) -> PassResult:
         """Queue the pass, block until its batch returns. Input tokens become part of the
         context (its length grows by len(tokens))."""

@@ -61,6 +61,14 @@ def truncate(run: RunState, handle: ResourceAny, new_length: int) -> str | None:
     return None
 
 
+@host_function
+def release_pages(run: RunState, handle: ResourceAny, start: int, stop: int) -> int | str:
+    try:
+        return run.services.release_slots(run.run_id, context_id(run, handle), start, stop)
+    except HostError as exc:
+        return error_text(exc)
+
+
 def release(run: RunState, rep: int) -> None:
     """Free one context the guest dropped (or leaked, at run end)."""
     ctx_id = run.resources.remove(KIND, rep)
@@ -84,3 +92,4 @@ def register(instance: LinkerInstance) -> None:
     instance.add_func("[method]context.fork", fork)
     instance.add_func("[method]context.len", length)
     instance.add_func("[method]context.truncate", truncate)
+    instance.add_func("[method]context.release-pages", release_pages)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, MultipleResults, RuleBasedStateMachine, consumes, invariant, multiple, rule
 
 from host.errors import ContextNotFound, InvalidRequest, OutOfPages
-from host.pages import PageCopy, PageTable, copy_groups
+from host.pages import HOLE, PageCopy, PageTable, copy_groups
 
 
 def test_extend_allocates_whole_pages() -> None:
@@ -118,6 +118,7 @@ class PageTableMachine(RuleBasedStateMachine):
         self.table = PageTable(num_pages=12, page_size=self.page_size)
         self.memory: dict[int, list[object]] = {p: [None] * self.page_size for p in range(12)}
         self.expected: dict[int, list[object]] = {}
+        self.released: dict[int, set[int]] = {}  # slots in pages a context released (holes)
         self.ids = itertools.count(1)
         self.values = itertools.count()
 
@@ -132,6 +133,7 @@ class PageTableMachine(RuleBasedStateMachine):
         cid = next(self.ids)
         self.table.create(cid)
         self.expected[cid] = []
+        self.released[cid] = set()
         return cid
 
     @rule(cid=contexts, n=st.integers(0, 7))
@@ -172,25 +174,45 @@ class PageTableMachine(RuleBasedStateMachine):
             return multiple()
         self._apply(copies)
         self.expected[new] = list(self.expected[cid])
+        self.released[new] = set(self.released[cid])
         return new
 
     @rule(cid=contexts, data=st.data())
     def truncate(self, cid: int, data: st.DataObject) -> None:
         length = data.draw(st.integers(0, len(self.expected[cid])))
-        self.table.truncate(cid, length)
+        try:
+            self.table.truncate(cid, length)
+        except InvalidRequest:  # rewinding into a released page is refused, and changes nothing
+            assert length % self.page_size and (length - 1) in self.released[cid]
+            return
         del self.expected[cid][length:]
+        self.released[cid] = {s for s in self.released[cid] if s < length}
+
+    @rule(cid=contexts, data=st.data())
+    def release_middle_pages(self, cid: int, data: st.DataObject) -> None:
+        length = len(self.expected[cid])
+        start = data.draw(st.integers(0, length))
+        stop = data.draw(st.integers(start, length))
+        self.table.release_pages(cid, start, stop)
+        pages = self.table.pages(cid)
+        for slot in range(length):
+            if pages[slot // self.page_size] == HOLE:
+                self.released[cid].add(slot)
+        assert pages[-1] != HOLE if pages else True
 
     @rule(cid=consumes(contexts))
     def release(self, cid: int) -> None:
         self.table.release(cid)
         del self.expected[cid]
+        del self.released[cid]
 
     @invariant()
     def refcounts_match_holders(self) -> None:
         holders = [0] * self.table.num_pages
         for cid in self.table.context_ids():
             for page in self.table.pages(cid):
-                holders[page] += 1
+                if page != HOLE:
+                    holders[page] += 1
         assert holders == [self.table.refcount(p) for p in range(self.table.num_pages)]
         assert self.table.num_free == holders.count(0)
 
@@ -199,8 +221,10 @@ class PageTableMachine(RuleBasedStateMachine):
         for cid, tokens in self.expected.items():
             pages = self.table.pages(cid)
             assert len(pages) >= -(-len(tokens) // self.page_size)
-            read = [self.memory[pages[i // self.page_size]][i % self.page_size] for i in range(len(tokens))]
-            assert read == tokens
+            kept = [i for i in range(len(tokens)) if i not in self.released[cid]]
+            assert all(pages[i // self.page_size] == HOLE for i in self.released[cid])
+            read = [self.memory[pages[i // self.page_size]][i % self.page_size] for i in kept]
+            assert read == [tokens[i] for i in kept]
 
 
 PageTableMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)

@@ -7,7 +7,7 @@ token. `tokens` is always committed + pending.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from componentize_py_types import Err
@@ -66,6 +66,12 @@ class Context:
     def pending(self) -> list[int]:
         return self._tokens[self._committed :]
 
+    @property
+    def num_committed(self) -> int:
+        """Tokens already in the host's KV: the slot of the first pending token. Explicit
+        attention rows cover the keys `0 .. num_committed + len(tokens run) - 1`."""
+        return self._committed
+
     def __len__(self) -> int:
         return len(self._tokens)
 
@@ -97,13 +103,16 @@ class Context:
             raise InferenceError(f"token out of range for a vocabulary of {vocab}")
         self._tokens.extend(new)
 
-    def flush(self) -> None:
+    def flush(self, attention_rows: Sequence[Sequence[int]] | None = None) -> None:
         """Run every pending token but the last through the model, so they are in the KV (and
-        shared by forks). The last stays pending: it is the input that predicts the next token."""
+        shared by forks). The last stays pending: it is the input that predicts the next token.
+        `attention_rows`: one explicit mask row per token run (see `decode_step`)."""
         todo = self.pending[:-1]
         if todo:
-            self._forward(todo, outputs=())
+            self._forward(todo, outputs=(), attention_rows=attention_rows)
             self._committed += len(todo)
+        elif attention_rows:
+            raise InferenceError("attention rows given, but there is nothing to flush")
 
     def fork(self) -> Context:
         """A new context with the same tokens. Full KV pages are shared, not copied."""
@@ -125,12 +134,28 @@ class Context:
             self._committed = committed
         del self._tokens[length:]
 
+    def release_slots(self, start: int, stop: int) -> int:
+        """Give back the KV memory of the whole pages inside committed slots [start, stop),
+        keeping every position as it is (the tokens stay in `tokens`). Only for a context whose
+        `attention` never looks there again, e.g. a `Window` with sinks: later passes that
+        would attend to released slots are refused. Returns the number of pages released."""
+        stop = min(stop, self._committed)
+        if start >= stop:
+            return 0
+        return int(_call(self._live().release_pages, start, stop))
+
     # -- running -----------------------------------------------------------------------------
 
-    def _forward(self, tokens: list[int], outputs: Iterable[tuple[int, Sampler, _inf.Probe, int]]) -> list[_inf.Output]:
+    def _forward(
+        self,
+        tokens: list[int],
+        outputs: Iterable[tuple[int, Sampler, _inf.Probe, int]],
+        attention_rows: Sequence[Sequence[int]] | None = None,
+    ) -> list[_inf.Output]:
         with _inf.ForwardPass(self._live()) as fp:
             fp.input_tokens(tokens)
             self._constrain(fp)
+            self._attend(fp, len(tokens), attention_rows)
             for row, sampler, probe, k in outputs:
                 fp.output(row, sampler.to_wit(), probe, k)
             return _call(fp.execute)
@@ -141,6 +166,17 @@ class Context:
         if self.attention is not None:
             fp.attention_window(self.attention.size, self.attention.sinks)
 
+    def _attend(self, fp: _inf.ForwardPass, num_tokens: int, rows: Sequence[Sequence[int]] | None) -> None:
+        """Attach explicit attention rows, checked here so a mistake names itself."""
+        if rows is None:
+            return
+        if self.attention is not None:
+            raise InferenceError("explicit attention rows and a Window cannot both apply: unset ctx.attention")
+        num_keys = self._committed + num_tokens
+        if len(rows) != num_tokens or any(sum(row) != num_keys for row in rows):
+            raise InferenceError(f"need {num_tokens} attention rows, each covering the pass's {num_keys} keys")
+        fp.attention_rows([list(row) for row in rows])
+
     def _pending_pass(
         self,
         sampler: Sampler,
@@ -148,6 +184,7 @@ class Context:
         k: int,
         logit_mask: LogitMask | None = None,
         matcher: Matcher | None = None,
+        attention_rows: Sequence[Sequence[int]] | None = None,
     ) -> _inf.ForwardPass:
         """A configured, not yet executed pass over the pending tokens, sampling the last row."""
         todo = self.pending
@@ -156,6 +193,11 @@ class Context:
         fp = _inf.ForwardPass(self._live())
         fp.input_tokens(todo)
         self._constrain(fp)
+        try:
+            self._attend(fp, len(todo), attention_rows)
+        except InferenceError:
+            fp.__exit__(None, None, None)
+            raise
         fp.output(len(todo) - 1, sampler.to_wit(), probe, k)
         if logit_mask is not None:
             fp.logit_mask(len(todo) - 1, list(logit_mask.runs))
@@ -170,26 +212,37 @@ class Context:
         k: int,
         logit_mask: LogitMask | None = None,
         matcher: Matcher | None = None,
+        attention_rows: Sequence[Sequence[int]] | None = None,
     ) -> _inf.Output:
-        with self._pending_pass(sampler, probe, k, logit_mask, matcher) as fp:
+        with self._pending_pass(sampler, probe, k, logit_mask, matcher, attention_rows) as fp:
             (out,) = _call(fp.execute)
         self._committed = len(self._tokens)
         return out
 
     def decode_step(
-        self, sampler: Sampler = GREEDY, logit_mask: LogitMask | None = None, matcher: Matcher | None = None
+        self,
+        sampler: Sampler = GREEDY,
+        logit_mask: LogitMask | None = None,
+        matcher: Matcher | None = None,
+        attention_rows: Sequence[Sequence[int]] | None = None,
     ) -> int:
         """Run the pending tokens and sample the next token, which becomes pending. A
         `logit_mask` restricts which tokens this step may sample; so does a grammar `matcher`
-        (the caller feeds the token back with `matcher.accept`; `generate` does it for you)."""
+        (the caller feeds the token back with `matcher.accept`; `generate` does it for you).
+
+        `attention_rows` gives each pending token its own attention mask: one row per pending
+        token, each BRLE run lengths (false run first) over the pass's keys, the context's
+        `num_committed` earlier slots then the pending tokens; causality applies on top. Not
+        with `ctx.attention` (a `Window`), which is the compact form of the same thing."""
         todo = self.pending
         if not todo:
             raise InferenceError("nothing to predict from: fill() the context first")
-        if self.adapter is None and self.attention is None and logit_mask is None and matcher is None:
+        constrained = logit_mask is not None or matcher is not None or attention_rows is not None
+        if self.adapter is None and self.attention is None and not constrained:
             token = _call(_inf.decode, self._live(), todo, sampler.to_wit())
             self._committed = len(self._tokens)
         else:  # the one-call `decode` carries no adapter or mask: use a full forward pass
-            token = self._run_pending(sampler, _NO_PROBE, 0, logit_mask, matcher).token
+            token = self._run_pending(sampler, _NO_PROBE, 0, logit_mask, matcher, attention_rows).token
         self._tokens.append(token)
         return token
 

@@ -1,5 +1,13 @@
 """The speculator's one rule table: every feature that forbids staging also forbids serving,
-and each rule has a case that fails when the rule is removed."""
+and each rule has a case that fails when the rule is removed.
+
+How each rule was checked: deleting any one `Rule(...)` line from `host.speculator.RULES` fails
+`test_every_rule_has_a_feature_case` and that rule's case of
+`test_a_feature_that_forbids_staging_also_forbids_serving` (the request is then staged from and
+served); for the logit-mask, attention-mask and grammar rules also the named
+`test_entry_match_rejects_*` tests below, and end to end tests/host/test_engine_speculation.py
+and tests/e2e/test_masks.py (a masked step served from an unmasked staged fire breaks its mask).
+Each of those deletions was made and the failures seen before this was written."""
 
 from __future__ import annotations
 
@@ -7,6 +15,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from bridge_schema.batch import OutputSpec, Sampler
 from bridge_schema.messages import Probe
@@ -122,3 +132,54 @@ def test_deeper_chain_extends_from_staged_results() -> None:
     e2 = spec.stage_from_entry(e1, 43)
     assert e2 is not None and (e2.anchor, e2.position) == (43, 12)
     assert spec.stage_from_entry(e2, 44) is None  # depth 2 reached
+
+
+def test_entry_match_rejects_logit_masked_request() -> None:
+    staged = entry_for(plain())
+    assert entry_matches_request(staged, plain()) is None  # otherwise matching
+    masked = plain(outputs=(OutputSpec(0, SAMPLER, logit_mask=np.ones(1, np.uint32)),))
+    assert entry_matches_request(staged, masked) == "logit_mask"
+
+
+def test_entry_match_rejects_user_masked_request() -> None:
+    staged = entry_for(plain())
+    assert entry_matches_request(staged, plain(has_attention_mask=True)) == "attention_mask"
+
+
+def test_entry_match_rejects_grammar_request() -> None:
+    staged = entry_for(plain())
+    assert entry_matches_request(staged, plain(has_grammar=True)) == "grammar"
+
+
+@st.composite
+def request_shapes(draw: st.DrawFn) -> RequestShape:
+    n_tokens = draw(st.integers(1, 3))
+    rows = draw(st.lists(st.integers(0, n_tokens - 1), max_size=2))
+    outputs = tuple(
+        OutputSpec(
+            row,
+            draw(st.sampled_from([SAMPLER, Sampler.greedy(), Sampler.random(0.5, seed=9)])),
+            draw(st.sampled_from(list(Probe))),
+            draw(st.integers(0, 3)),
+            np.ones(1, np.uint32) if draw(st.booleans()) else None,
+        )
+        for row in rows
+    )
+    return RequestShape(
+        tokens=tuple(draw(st.lists(st.integers(0, 9), min_size=n_tokens, max_size=n_tokens))),
+        position=draw(st.integers(0, 50)),
+        outputs=outputs,
+        adapter_id=draw(st.integers(-1, 2)),
+        has_grammar=draw(st.booleans()),
+        has_attention_mask=draw(st.booleans()),
+        explicit_positions_contiguous=draw(st.booleans()),
+    )
+
+
+@given(request_shapes())
+def test_producer_skips_exactly_what_the_consumer_rejects(shape: RequestShape) -> None:
+    """For any request: an entry equal to it in anchor, position, sampler and adapter serves it
+    if and only if the producer would stage from it, and a refusal names the same feature."""
+    sampler = shape.outputs[0].sampler if shape.outputs else SAMPLER
+    entry = StagedEntry(0, shape.tokens[0], shape.position, sampler, shape.adapter_id)
+    assert entry_matches_request(entry, shape) == evaluate_request_shape(shape)

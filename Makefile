@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 # One thread for torch and BLAS in tests: on 2 cores, two threads collapse when anything else runs.
 TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TORCH_NUM_THREADS=1
 
-.PHONY: run test lint bench bench-bridge venv clean
+.PHONY: run test lint bench bench-decode venv clean
 
 $(STAMP): pyproject.toml
 	@echo "==> bootstrapping $(VENV) (first run takes a few minutes)"
@@ -40,6 +40,12 @@ test: lint
 
 bench: $(STAMP)
 	$(PY) bench/bridge.py
+	$(PY) bench/host_overhead.py
+	$(PY) bench/speculation.py
+	$(PY) bench/grammar.py
+
+bench-decode: $(STAMP)  # SmolLM2 on the torch driver vs transformers (several minutes)
+	$(PY) bench/decode.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

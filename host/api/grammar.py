@@ -108,6 +108,12 @@ def reset(run: RunState, handle: ResourceAny) -> None:
     _matcher(run, handle).reset()
 
 
+@host_function
+def fork(run: RunState, handle: ResourceAny) -> ResourceHost:
+    copy = _matcher(run, handle).fork()
+    return ResourceHost.own(run.resources.add(ResourceKind.MATCHER, copy), int(ResourceKind.MATCHER))
+
+
 def _drop_kind(kind: ResourceKind) -> Callable[[wasmtime.StoreContext, int], None]:
     def drop(_store: wasmtime.StoreContext, rep: int) -> None:
         run = current_or_none()
@@ -128,3 +134,4 @@ def register(instance: LinkerInstance) -> None:
     instance.add_func("[method]matcher.rollback", rollback)
     instance.add_func("[method]matcher.is-terminated", is_terminated)
     instance.add_func("[method]matcher.reset", reset)
+    instance.add_func("[method]matcher.fork", fork)

@@ -246,6 +246,54 @@ class Context:
         self._tokens.append(token)
         return token
 
+    def verify(self, draft: list[int], sampler: Sampler = GREEDY, matcher: Matcher | None = None) -> tuple[int, int]:
+        """Speculative decoding's verify step: run the pending tokens and `draft` in one pass,
+        sampling a token after every position, and keep the longest prefix of the draft the
+        model agrees with plus the model's own next token (which becomes pending). The rejected
+        tail's KV is truncated. Returns (number of draft tokens accepted, the new pending token).
+
+        With a `matcher`, the row that predicts draft token j is masked by the grammar state
+        after draft tokens 0..j-1 (the hidden state at row i predicts token i+1); the matcher
+        is advanced over what is kept. The sampled tokens are exactly those plain decoding with
+        the same sampler would produce (seeded draws depend on (seed, position))."""
+        todo = self.pending
+        if not todo:
+            raise InferenceError("nothing to predict from: fill() the context first")
+        if matcher is not None:
+            draft = _grammatical_prefix(matcher, draft)
+        first_row = len(todo) - 1
+        forks: list[Matcher] = []
+        with _inf.ForwardPass(self._live()) as fp:
+            fp.input_tokens(todo + draft)
+            self._constrain(fp)
+            for j in range(len(draft) + 1):
+                fp.output(first_row + j, sampler.to_wit(), _NO_PROBE, 0)
+                if matcher is not None:
+                    state = matcher.fork() if j == 0 else forks[-1].fork()
+                    if j:
+                        state.accept(draft[j - 1])
+                    forks.append(state)
+                    fp.use_matcher(first_row + j, state.id)
+            try:
+                outputs = _call(fp.execute)
+            finally:
+                for state in forks:
+                    state.release()
+        sampled = [o.token for o in outputs]
+        accepted = 0
+        while accepted < len(draft) and sampled[accepted] == draft[accepted]:
+            accepted += 1
+        kept = self._committed + len(todo) + accepted
+        if accepted < len(draft):  # the KV of the rejected tail goes
+            _call(self._live().truncate, kept)
+        self._tokens.extend(draft[:accepted])
+        self._tokens.append(sampled[accepted])
+        self._committed = kept
+        if matcher is not None:
+            for token in [*draft[:accepted], sampled[accepted]]:
+                matcher.accept(token)
+        return accepted, sampled[accepted]
+
     def top_k(self, k: int) -> list[TokenChoice]:
         """Run the pending tokens and return the `k` most likely next tokens with their
         logprobs, best first. No token is appended: `fill` the one you choose."""
@@ -288,6 +336,18 @@ class Context:
             piece = decoder.push(token)
             if piece:
                 yield piece
+
+
+def _grammatical_prefix(matcher: Matcher, draft: list[int]) -> list[int]:
+    """The longest prefix of `draft` the grammar allows (checked on a copy of the matcher)."""
+    probe = matcher.fork()
+    try:
+        for i, token in enumerate(draft):
+            if not probe.accept(token):
+                return draft[:i]
+        return draft
+    finally:
+        probe.release()
 
 
 def _run_all(contexts: list[Context], sampler: Sampler, probe: _inf.Probe, k: int) -> list[_inf.Output]:

@@ -79,3 +79,11 @@ class Matcher:
 
     def reset(self) -> None:
         self._handle.reset()
+
+    def fork(self) -> Matcher:
+        """An independent copy of this matcher's state."""
+        return Matcher(self._handle.fork())
+
+    def release(self) -> None:
+        """Free the host-side state now (otherwise at the end of the run)."""
+        self._handle.__exit__(None, None, None)

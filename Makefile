@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 # One thread for torch and BLAS in tests: on 2 cores, two threads collapse when anything else runs.
 TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TORCH_NUM_THREADS=1
 
-.PHONY: run test lint bench bench-decode venv clean
+.PHONY: run demo test lint bench bench-decode venv clean
 
 $(STAMP): pyproject.toml
 	@echo "==> bootstrapping $(VENV) (first run takes a few minutes)"
@@ -22,12 +22,13 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-run: $(STAMP)
-	@echo "==> wafer run text_completion on the dummy driver"
-	@echo "    (the dummy driver computes nothing: its tokens are uniformly random bytes)"
+run: $(STAMP)  # the daemon on the embedded default: SmolLM2-135M-Instruct on the torch driver (CPU)
+	$(PY) -m host.daemon --driver torch
+
+demo: $(STAMP)  # an inferlet on the dummy driver, then the bridge underneath it
+	@echo "==> wafer run text_completion on the dummy driver (its tokens are random bytes)"
 	$(VENV)/bin/wafer run text_completion --verbose -- --prompt "Once upon a time" --max-tokens 48
 	@echo
-	@echo "==> the bridge underneath: the dummy driver driven directly"
 	$(PY) examples/drive_dummy.py
 
 lint: $(STAMP)

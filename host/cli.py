@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from host.build import BuildError, build, resolve_inferlet, rewrite_guest_paths, write_bindings
+from host.daemon.cli import add_serve_command
 from host.errors import HostError
 from host.sandbox import BufferedRunIO, RunStatus, Sandbox, SandboxConfig, SandboxError
 from host.sandbox.config import MIB, default_cache_dir
@@ -145,6 +146,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction[
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_subcommands(subparsers)
+    add_serve_command(subparsers)
     return parser, subparsers
 
 

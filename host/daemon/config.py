@@ -1,0 +1,208 @@
+"""The daemon's one configuration object, and its one reader.
+
+Values come from a TOML file (`--config`), then `WAFER_<KEY>` environment variables, then
+command-line flags; later sources win. Every key is checked here, once, and a bad value is a
+`ConfigError` naming the key. Nothing below the edge reads the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from host.daemon.errors import ConfigError
+from host.sandbox.config import MIB, default_cache_dir
+
+BUILTIN_DRIVERS = ("dummy", "torch")
+LOG_FORMATS = ("json", "text")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+ENV_PREFIX = "WAFER_"
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()
+    driver: str = "dummy"  # dummy | torch (started and supervised) | unix:PATH | tcp:HOST:PORT
+    driver_args: tuple[str, ...] = ()
+    model: str = ""  # torch driver: passed as --model (default: the embedded SmolLM2)
+    served_model_name: str = ""  # the id in /v1/models; default: the driver's model name
+    speculation_depth: int = 1
+    max_concurrent_runs: int = 64
+    run_memory_mib: int = 256
+    run_timeout_s: float = 600.0
+    run_watchdog_s: float = 30.0
+    max_upload_bytes: int = 64 * MIB
+    max_request_bytes: int = 4 * MIB
+    driver_startup_timeout_s: float = 120.0
+    restart_backoff_initial_s: float = 0.5
+    restart_backoff_max_s: float = 30.0
+    drain_timeout_s: float = 10.0
+    cache_dir: Path = field(default_factory=default_cache_dir)
+    data_dir: Path = field(default_factory=lambda: default_cache_dir() / "daemon")  # uploaded inferlets
+    log_level: str = "info"
+    log_format: str = "json"
+
+    @property
+    def is_supervised(self) -> bool:
+        """True when the daemon starts the driver process itself (and so can restart it)."""
+        return self.driver in BUILTIN_DRIVERS
+
+    @property
+    def driver_argv(self) -> tuple[str, ...]:
+        """Options for the driver process: `model` becomes `--model` for the torch driver."""
+        if self.driver == "torch" and self.model:
+            return ("--model", self.model, *self.driver_args)
+        return self.driver_args
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(DaemonConfig))
+
+
+def load_config(
+    flags: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    config_path: str | Path | None = None,
+) -> DaemonConfig:
+    """The configuration from a TOML file, the environment and flags (None values are unset).
+    `environ` defaults to `os.environ`; `WAFER_CONFIG` names the file when `config_path` is None."""
+    env = os.environ if environ is None else environ
+    raw: dict[str, Any] = {}
+    path = config_path if config_path is not None else env.get(f"{ENV_PREFIX}CONFIG")
+    if path:
+        raw.update(_read_file(Path(path)))
+    for key in KEYS:
+        value = env.get(ENV_PREFIX + key.upper())
+        if value is not None:
+            raw[key] = _from_env(key, value)
+    for key, value in (flags or {}).items():
+        if value is None:
+            continue
+        if key not in KEYS:
+            raise ConfigError(key, "unknown configuration key")
+        raw[key] = value
+    return _build(raw)
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError("config", f"cannot read {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
+    unknown = sorted(set(data) - set(KEYS))
+    if unknown:
+        raise ConfigError(unknown[0], f"unknown key in {path} (known keys: {', '.join(KEYS)})")
+    return data
+
+
+def _from_env(key: str, value: str) -> Any:
+    """Environment values are strings, parsed here into the key's type: lists are
+    comma-separated (driver_args: shell words)."""
+    default = getattr(DaemonConfig(), key)
+    if key == "api_keys":
+        return [k.strip() for k in value.split(",") if k.strip()]
+    if key == "driver_args":
+        try:
+            return shlex.split(value)
+        except ValueError as exc:
+            raise ConfigError(key, f"cannot split {value!r} into arguments: {exc}") from None
+    if isinstance(default, int):
+        try:
+            return int(value.strip())
+        except ValueError:
+            raise ConfigError(key, f"expected an integer, got {value!r} (from {ENV_PREFIX}{key.upper()})") from None
+    if isinstance(default, float):
+        try:
+            return float(value.strip())
+        except ValueError:
+            raise ConfigError(key, f"expected a number, got {value!r} (from {ENV_PREFIX}{key.upper()})") from None
+    return value
+
+
+def _build(raw: Mapping[str, Any]) -> DaemonConfig:
+    defaults = DaemonConfig()
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(DaemonConfig):
+        if f.name in raw:
+            values[f.name] = _coerce(f.name, raw[f.name], getattr(defaults, f.name))
+    if "cache_dir" in values and "data_dir" not in values:
+        values["data_dir"] = values["cache_dir"] / "daemon"  # the default follows the cache
+    config = dataclasses.replace(defaults, **values)
+    _check(config)
+    return config
+
+
+def _coerce(key: str, value: Any, default: Any) -> Any:
+    """Check the value against the default's type (the environment's strings are parsed already)."""
+    kind = type(default)
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(key, f"expected an integer, got {value!r}")
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(key, f"expected a number, got {value!r}")
+        return float(value)
+    if isinstance(default, tuple):
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(key, f"expected a list of strings, got {value!r}")
+        return tuple(value)
+    if isinstance(default, Path):
+        if not isinstance(value, str | Path) or not str(value):
+            raise ConfigError(key, f"expected a path, got {value!r}")
+        return Path(value).expanduser()
+    if not isinstance(value, str):
+        raise ConfigError(key, f"expected a string, got {value!r}")
+    assert kind is str
+    return value
+
+
+def _check(c: DaemonConfig) -> None:
+    if not 0 <= c.port <= 65535:
+        raise ConfigError("port", f"must be between 0 and 65535, got {c.port}")
+    if not c.host:
+        raise ConfigError("host", "must not be empty")
+    if any(not k or k != k.strip() for k in c.api_keys):
+        raise ConfigError("api_keys", "keys must be non-empty and have no surrounding whitespace")
+    if c.driver not in BUILTIN_DRIVERS and not c.driver.startswith(("unix:", "tcp:")):
+        raise ConfigError("driver", f"use {' or '.join(BUILTIN_DRIVERS)}, unix:PATH or tcp:HOST:PORT; got {c.driver!r}")
+    if c.model and c.driver != "torch":
+        raise ConfigError("model", f"only the torch driver loads a model (driver is {c.driver!r})")
+    minimums: dict[str, float] = {
+        "speculation_depth": 0,
+        "max_concurrent_runs": 1,
+        "run_memory_mib": 16,  # componentize-py's interpreter alone needs about 12 MiB
+        "max_upload_bytes": 1,
+        "max_request_bytes": 1024,
+        "drain_timeout_s": 0,
+        "restart_backoff_initial_s": 0.01,
+    }
+    for key, minimum in minimums.items():
+        if getattr(c, key) < minimum:
+            raise ConfigError(key, f"must be at least {minimum:g}, got {getattr(c, key)}")
+    for key in ("run_timeout_s", "run_watchdog_s", "driver_startup_timeout_s"):
+        if getattr(c, key) <= 0:
+            raise ConfigError(key, f"must be positive, got {getattr(c, key)}")
+    if c.restart_backoff_max_s < c.restart_backoff_initial_s:
+        raise ConfigError("restart_backoff_max_s", "must be at least restart_backoff_initial_s")
+    if c.log_level not in LOG_LEVELS:
+        raise ConfigError("log_level", f"use one of {', '.join(LOG_LEVELS)}; got {c.log_level!r}")
+    if c.log_format not in LOG_FORMATS:
+        raise ConfigError("log_format", f"use one of {', '.join(LOG_FORMATS)}; got {c.log_format!r}")

@@ -1,0 +1,248 @@
+"""The daemon's parts and their lifecycle: sandbox, built-in chat inferlet, driver supervisor,
+run registry, inferlet store and metrics; started before the server accepts and stopped
+(runs drained, driver shut down) after it stops accepting.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+
+from wasmtime.component import Component
+
+from host.build import BuildError, build
+from host.daemon.config import DaemonConfig
+from host.daemon.errors import DaemonError
+from host.daemon.inferlet_store import InferletStore
+from host.daemon.metrics import Counter, Histogram, LabelValues, Registry, SampledFamily
+from host.daemon.runs import RunRegistry
+from host.daemon.supervisor import DriverState, Supervisor
+from host.engine import Engine
+from host.errors import HostError
+from host.sandbox import Sandbox, SandboxConfig
+from host.sandbox.config import MIB
+
+log = logging.getLogger("wafer.daemon")
+
+CHAT_INFERLET = "chat"
+# How long a request waits for a starting or restarting driver before it gets a 503.
+ENGINE_WAIT_S = 30.0
+
+
+class DaemonStartError(DaemonError):
+    """The daemon cannot start (the chat inferlet does not build, the sandbox fails)."""
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.metrics = Registry()
+        self.latency = Histogram(
+            "wafer_http_request_duration_seconds",
+            "HTTP request latency, until the last byte",
+            ("method", "route", "status"),
+        )
+        self.first_token = Histogram(
+            "wafer_time_to_first_token_seconds", "Time from request to the first streamed token", ("endpoint",)
+        )
+        self.tokens = Counter("wafer_tokens_total", "Tokens served by the OpenAI endpoints", ("endpoint", "kind"))
+        self.requests = Counter("wafer_openai_requests_total", "OpenAI requests by outcome", ("endpoint", "outcome"))
+        self.sandbox: Sandbox | None = None
+        self.supervisor = Supervisor(config)
+        self._registry: RunRegistry | None = None
+        self._store: InferletStore | None = None
+        self._chat: Component | None = None
+        self._model_name = config.served_model_name
+        self._lock = threading.Lock()
+        self._register_metrics()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Blocking: builds (or finds cached) the chat inferlet, then starts the driver."""
+        sandbox_config = SandboxConfig(
+            cache_dir=self.config.cache_dir,
+            memory_limit_bytes=self.config.run_memory_mib * MIB,
+            inactivity_timeout_s=self.config.run_watchdog_s,
+            wall_budget_s=self.config.run_timeout_s,
+        )
+        self.sandbox = Sandbox(sandbox_config)
+        try:
+            result = build(CHAT_INFERLET, self.config.cache_dir, lambda msg: log.info("chat inferlet: %s", msg))
+            self._chat = self.sandbox.load(result.wasm_path)
+        except (BuildError, HostError, DaemonError) as exc:
+            self.sandbox.close()
+            raise DaemonStartError(f"the built-in chat inferlet cannot be built: {exc}") from None
+        self._store = InferletStore(self.config.data_dir / "inferlets", self.sandbox)
+        self._registry = RunRegistry(self.config, self.sandbox, self.supervisor)
+        self.supervisor.start()
+
+    def stop(self) -> None:
+        if self._registry is not None:
+            self._registry.drain(self.config.drain_timeout_s)
+        self.supervisor.stop()
+        if self.sandbox is not None:
+            self.sandbox.close()
+
+    # ------------------------------------------------------------------ parts
+
+    @property
+    def runs(self) -> RunRegistry:
+        assert self._registry is not None, "the daemon is not started"
+        return self._registry
+
+    @property
+    def store(self) -> InferletStore:
+        assert self._store is not None, "the daemon is not started"
+        return self._store
+
+    @property
+    def chat_component(self) -> Component:
+        assert self._chat is not None, "the daemon is not started"
+        return self._chat
+
+    def engine(self, wait_s: float = ENGINE_WAIT_S) -> Engine:
+        """The live engine (blocking: waits for a starting or restarting driver)."""
+        engine, _ = self.supervisor.engine(wait_s)
+        with self._lock:
+            if not self._model_name:
+                self._model_name = engine.model.name
+        return engine
+
+    def served_model(self) -> str:
+        """The model id clients name (blocking the first time: it comes from the handshake)."""
+        return self.served_model_waiting(ENGINE_WAIT_S)
+
+    def served_model_waiting(self, wait_s: float) -> str:
+        with self._lock:
+            if self._model_name:
+                return self._model_name
+        self.engine(wait_s)
+        return self._model_name
+
+    # ------------------------------------------------------------------ metrics
+
+    def _register_metrics(self) -> None:
+        m = self.metrics
+        m.add(self.latency)
+        m.add(self.first_token)
+        m.add(self.tokens)
+        m.add(self.requests)
+        m.add(SampledFamily("wafer_driver_up", "1 when the driver is ready", "gauge", (), self._driver_up))
+        m.add(SampledFamily("wafer_driver_restarts_total", "Driver restarts", "counter", (), self._restarts))
+        m.add(SampledFamily("wafer_runs", "Runs now running", "gauge", ("kind",), self._running))
+        m.add(SampledFamily("wafer_runs_ended_total", "Runs ended, by final state", "counter", ("state",), self._ended))
+        m.add(
+            SampledFamily(
+                "wafer_driver_stat",
+                "The driver's own counters (passes, requests, tokens...); reset on restart",
+                "gauge",
+                ("name",),
+                self._driver_stats,
+            )
+        )
+        m.add(
+            SampledFamily(
+                "wafer_passes_total",
+                "Passes (batched forward requests) sent to the driver",
+                "counter",
+                (),
+                lambda: self._pick_driver_stat("forwards"),
+            )
+        )
+        m.add(
+            SampledFamily(
+                "wafer_pass_tokens_total",
+                "Input tokens computed by the driver",
+                "counter",
+                (),
+                lambda: self._pick_driver_stat("tokens"),
+            )
+        )
+        m.add(
+            SampledFamily(
+                "wafer_batch_size_mean",
+                "Mean forward requests per pass",
+                "gauge",
+                (),
+                self._batch_size,
+            )
+        )
+        m.add(
+            SampledFamily(
+                "wafer_speculation_total",
+                "Speculation: hits, staged fires, misses and skips by reason",
+                "counter",
+                ("outcome", "reason"),
+                self._speculation,
+            )
+        )
+        m.add(SampledFamily("wafer_prefix_cache", "Prefix reuse counters", "gauge", ("name",), self._prefix))
+
+    def live_engine(self) -> Engine | None:
+        try:
+            engine, _ = self.supervisor.engine(0.0)
+        except DaemonError:
+            return None
+        return engine
+
+    def _driver_up(self) -> Mapping[LabelValues, float]:
+        return {(): 1.0 if self.supervisor.status().state is DriverState.READY else 0.0}
+
+    def _restarts(self) -> Mapping[LabelValues, float]:
+        return {(): float(self.supervisor.status().num_restarts)}
+
+    def _running(self) -> Mapping[LabelValues, float]:
+        if self._registry is None:
+            return {}
+        out: dict[LabelValues, float] = {("chat",): 0.0, ("inferlet",): 0.0}
+        for record in self._registry.list():
+            if record.outcome is None:
+                out[(record.kind,)] += 1
+        return out
+
+    def _ended(self) -> Mapping[LabelValues, float]:
+        if self._registry is None:
+            return {}
+        return {(state,): float(n) for state, n in self._registry.counts().items() if state != "running"}
+
+    def driver_stats(self) -> dict[str, int | float | str]:
+        engine = self.live_engine()
+        if engine is None:
+            return {}
+        try:
+            return engine.driver_health()
+        except HostError:
+            return {}
+
+    def _driver_stats(self) -> Mapping[LabelValues, float]:
+        return {(k,): float(v) for k, v in self.driver_stats().items() if isinstance(v, int | float)}
+
+    def _pick_driver_stat(self, name: str) -> Mapping[LabelValues, float]:
+        value = self.driver_stats().get(name)
+        return {(): float(value)} if isinstance(value, int | float) else {}
+
+    def _batch_size(self) -> Mapping[LabelValues, float]:
+        stats = self.driver_stats()
+        passes, requests = stats.get("forwards"), stats.get("requests")
+        if isinstance(passes, int | float) and isinstance(requests, int | float) and passes:
+            return {(): float(requests) / float(passes)}
+        return {}
+
+    def _speculation(self) -> Mapping[LabelValues, float]:
+        engine = self.live_engine()
+        if engine is None:
+            return {}
+        out: dict[LabelValues, float] = {}
+        for key, value in engine.speculation_stats().items():
+            name = key.removeprefix("speculation_")
+            outcome, _, reason = name.partition("_")
+            out[(outcome, reason)] = float(value)
+        return out
+
+    def _prefix(self) -> Mapping[LabelValues, float]:
+        engine = self.live_engine()
+        if engine is None:
+            return {}
+        return {(k.removeprefix("prefix_"),): float(v) for k, v in engine.prefix_stats().items()}

@@ -1,0 +1,99 @@
+"""Errors of the daemon, and the one place their wire form (the OpenAI error envelope) is drawn.
+
+DaemonError                  root of everything the daemon raises
+├── ConfigError              the configuration (file, environment, flags) is invalid
+└── ApiError                 an HTTP request fails; carries status, type, param and code
+    ├── InvalidRequest       400: bad types, ranges, unsupported or inconsistent fields
+    ├── Unauthorized         401: no or a wrong API key
+    ├── Forbidden            403: the endpoint is disabled by the configuration
+    ├── NotFound             404: unknown model, inferlet or run
+    ├── PayloadTooLarge      413: the body exceeds the configured limit
+    ├── TooManyRuns          429: every run slot is taken
+    ├── DriverUnavailable    503: the driver is down or restarting
+    └── GenerationFailed     502: the run failed for a reason that is not the client's
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DaemonError(Exception):
+    """Root of every error the daemon raises."""
+
+
+class ConfigError(DaemonError):
+    """`key` names the configuration key at fault (as written in the TOML file)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"configuration key {key!r}: {message}")
+        self.key = key
+
+
+class ApiError(DaemonError):
+    status = 500
+    error_type = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def envelope(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+class InvalidRequest(ApiError):
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class Unauthorized(ApiError):
+    status = 401
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str = "missing or invalid API key: send 'Authorization: Bearer <key>'") -> None:
+        super().__init__(message, code="invalid_api_key")
+
+
+class Forbidden(ApiError):
+    status = 403
+    error_type = "permission_error"
+
+
+class NotFound(ApiError):
+    status = 404
+    error_type = "invalid_request_error"
+
+
+class PayloadTooLarge(ApiError):
+    status = 413
+    error_type = "invalid_request_error"
+
+    def __init__(self, limit_bytes: int) -> None:
+        super().__init__(f"request body exceeds the limit of {limit_bytes} bytes", code="request_too_large")
+
+
+class TooManyRuns(ApiError):
+    status = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"all {limit} run slots are busy; retry later", code="too_many_runs")
+
+
+class DriverUnavailable(ApiError):
+    status = 503
+    error_type = "server_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="driver_unavailable")
+
+
+class GenerationFailed(ApiError):
+    status = 502
+    error_type = "server_error"
+
+    def __init__(self, message: str, code: str = "generation_failed") -> None:
+        super().__init__(message, code=code)

@@ -1,0 +1,152 @@
+"""Inferlet endpoints: upload a component (named by its content hash), start runs of it, follow
+a run's output and messages (SSE), send it messages, cancel it, list runs. A key is always
+required here (see `middleware.py`): these endpoints run code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+import anyio.to_thread
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+
+from host.daemon.daemon import CHAT_INFERLET, ENGINE_WAIT_S
+from host.daemon.errors import InvalidRequest
+from host.daemon.http_util import SSE_HEADERS, daemon_of, key_id_of, parse_body, sse
+
+router = APIRouter(tags=["inferlets"])
+
+MAX_ARGS = 1024
+
+
+class StartRun(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    inferlet: StrictStr = Field(description="an uploaded inferlet's id (sha256:...) or 'chat', the built-in one")
+    args: Annotated[list[StrictStr], Field(max_length=MAX_ARGS)] = []
+
+
+class RunMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    message: StrictStr | None = Field(default=None, description="delivered to the run's receive()")
+    close: StrictBool = Field(default=False, description="after this, the run's receive() returns none")
+
+
+def _body(model: type[BaseModel]) -> dict[str, Any]:
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+_WASM_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/wasm": {"schema": {"type": "string", "format": "binary"}},
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+        },
+    }
+}
+
+
+@router.post("/v1/inferlets", summary="Upload an inferlet component", openapi_extra=_WASM_BODY, status_code=201)
+async def upload(request: Request) -> JSONResponse:
+    data = await request.body()
+    entry, is_new = await anyio.to_thread.run_sync(daemon_of(request).store.add, data)
+    return JSONResponse(entry.describe(), status_code=201 if is_new else 200)
+
+
+@router.get("/v1/inferlets", summary="List uploaded inferlets")
+async def list_inferlets(request: Request) -> dict[str, Any]:
+    entries = await anyio.to_thread.run_sync(daemon_of(request).store.list)
+    return {"object": "list", "data": [e.describe() for e in entries]}
+
+
+@router.get("/v1/inferlets/{inferlet_id}", summary="Describe an uploaded inferlet")
+async def get_inferlet(request: Request, inferlet_id: str) -> dict[str, Any]:
+    return daemon_of(request).store.get(inferlet_id).describe()
+
+
+@router.post("/v1/runs", summary="Start a run of an inferlet", openapi_extra=_body(StartRun), status_code=201)
+async def start_run(request: Request) -> JSONResponse:
+    daemon = daemon_of(request)
+    body = await parse_body(request, StartRun)
+    if body.inferlet == CHAT_INFERLET:
+        component = daemon.chat_component
+    else:
+        component = await anyio.to_thread.run_sync(daemon.store.load, body.inferlet)
+    record = await daemon.runs.start(
+        component, body.inferlet, body.args, "inferlet", ENGINE_WAIT_S, owner=key_id_of(request)
+    )
+    return JSONResponse(record.describe(), status_code=201)
+
+
+@router.get("/v1/runs", summary="List runs and their states")
+async def list_runs(request: Request, kind: str | None = None) -> dict[str, Any]:
+    if kind not in (None, "inferlet", "chat"):
+        raise InvalidRequest("kind is 'inferlet' or 'chat'", param="kind")
+    return {"object": "list", "data": [r.describe() for r in daemon_of(request).runs.list(kind, key_id_of(request))]}
+
+
+@router.get("/v1/runs/{run_id}", summary="Describe a run")
+async def get_run(request: Request, run_id: int) -> dict[str, Any]:
+    return daemon_of(request).runs.get(run_id, key_id_of(request)).describe()
+
+
+@router.get("/v1/runs/{run_id}/events", summary="Follow a run: output, messages and its end, as SSE")
+async def run_events(
+    request: Request, run_id: int, after: Annotated[int, Query(ge=-1, description="last seq already seen")] = -1
+) -> StreamingResponse:
+    record = daemon_of(request).runs.get(run_id, key_id_of(request))
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            async for event in record.log.follow(after + 1):
+                if event.kind == "output":
+                    yield sse({"seq": event.seq, "text": event.data}, "output")
+                elif event.kind == "message":
+                    yield sse({"seq": event.seq, "message": event.data}, "message")
+                else:
+                    yield sse({"seq": event.seq, **event.data}, "end")
+        except LookupError as exc:
+            yield sse(
+                {
+                    "error": {
+                        "message": str(exc),
+                        "type": "invalid_request_error",
+                        "param": "after",
+                        "code": "events_dropped",
+                    }
+                },
+                "error",
+            )
+        except asyncio.CancelledError:
+            raise  # the follower left; the run goes on
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+@router.post("/v1/runs/{run_id}/messages", summary="Send a message to a run", openapi_extra=_body(RunMessage))
+async def send_message(request: Request, run_id: int) -> dict[str, Any]:
+    record = daemon_of(request).runs.get(run_id, key_id_of(request))
+    body = await parse_body(request, RunMessage)
+    if body.message is None and not body.close:
+        raise InvalidRequest("send a message, or close: true", param="message")
+    if record.outcome is not None:
+        raise InvalidRequest(f"run {run_id} has ended ({record.state.value})", param="run_id", code="run_ended")
+    if body.message is not None:
+        record.log.push(body.message)
+    if body.close:
+        record.log.close_inbox()
+    return record.describe()
+
+
+@router.post("/v1/runs/{run_id}/cancel", summary="Cancel a run")
+async def cancel_run(request: Request, run_id: int) -> dict[str, Any]:
+    record = daemon_of(request).runs.get(run_id, key_id_of(request))
+    record.cancel()
+    # A cancelled run stops at its next host call; a moment is usually enough to report it.
+    await anyio.to_thread.run_sync(record.done.wait, 5.0)
+    return record.describe()

@@ -1,0 +1,244 @@
+"""Turn a validated OpenAI request into a chat-inferlet job, refusing (400/404) everything that
+cannot be served before any generation starts: unknown model, unsupported or inconsistent
+fields, invalid schemas or tool names, prompts longer than the context.
+
+Runs on a worker thread (it tokenizes); knows the model and tokenizer, not HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+
+from host.daemon.errors import InvalidRequest, NotFound
+from host.daemon.openai_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    JsonObjectFormat,
+    JsonSchemaResponseFormat,
+    NamedToolChoice,
+)
+from host.errors import HostError
+from host.services import ModelInfo, Tokenizer
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy endpoint's documented default
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """What the chat inferlet is asked to do, and what the response needs to know."""
+
+    args: dict[str, Any]  # the chat inferlet's JSON argument
+    num_prompts: int
+    n: int
+    prompt_tokens: int  # over all prompts, each counted once (forks share it)
+    logprobs: bool
+    top_logprobs: int
+    stream: bool
+    include_usage: bool
+
+
+def check_model(requested: str, served: str) -> None:
+    if requested != served:
+        raise NotFound(
+            f"The model '{requested}' does not exist; this server serves '{served}'",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokenizer) -> Job:
+    _check_unsupported_sampling(req.frequency_penalty, req.presence_penalty, req.logit_bias)
+    _check_response_format(req)
+    _check_tools(req)
+    if (
+        req.max_tokens is not None
+        and req.max_completion_tokens is not None
+        and req.max_tokens != req.max_completion_tokens
+    ):
+        raise InvalidRequest(
+            "max_tokens and max_completion_tokens disagree; set only max_completion_tokens",
+            param="max_completion_tokens",
+        )
+    messages = [[_template_role(m.role), _message_text(m)] for m in req.messages]
+    try:
+        text = tokenizer.apply_chat_template([(r, c) for r, c in messages], True)
+        num_tokens = len(tokenizer.encode(text))
+    except HostError as exc:
+        raise InvalidRequest(f"the messages cannot be rendered: {exc}", param="messages") from None
+    limit = req.max_completion_tokens or req.max_tokens
+    max_tokens = _fit_context(num_tokens, limit, model.max_context, "messages")
+    top = req.top_logprobs or 0
+    return _job(req, [{"messages": messages}], num_tokens, max_tokens, bool(req.logprobs), top)
+
+
+def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Tokenizer) -> Job:
+    _check_unsupported_sampling(req.frequency_penalty, req.presence_penalty, req.logit_bias)
+    if req.echo:
+        raise InvalidRequest("echo is not supported", param="echo", code="unsupported_parameter")
+    if req.suffix:
+        raise InvalidRequest("suffix is not supported", param="suffix", code="unsupported_parameter")
+    n = req.n or 1
+    if req.best_of is not None and req.best_of != n:
+        raise InvalidRequest("best_of other than n is not supported", param="best_of", code="unsupported_parameter")
+    prompts: list[dict[str, Any]] = []
+    counts: list[int] = []
+    for raw in _prompt_list(req.prompt):
+        if isinstance(raw, str):
+            tokens = tokenizer.encode(raw)
+            prompts.append({"text": raw})
+        else:
+            bad = [t for t in raw if t >= model.vocab_size]
+            if bad:
+                raise InvalidRequest(
+                    f"token id {bad[0]} is outside the vocabulary of {model.vocab_size}", param="prompt"
+                )
+            tokens = raw
+            prompts.append({"tokens": raw})
+        if not tokens:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        counts.append(len(tokens))
+    limit = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+    max_tokens = _fit_context(max(counts), limit, model.max_context, "prompt")
+    logprobs = req.logprobs is not None
+    return _job(req, prompts, sum(counts), max_tokens, logprobs, req.logprobs or 0)
+
+
+def _job(
+    req: ChatCompletionRequest | CompletionRequest,
+    prompts: list[dict[str, Any]],
+    prompt_tokens: int,
+    max_tokens: int,
+    logprobs: bool,
+    top_logprobs: int,
+) -> Job:
+    n = req.n or 1
+    args: dict[str, Any] = {
+        "prompts": prompts,
+        "n": n,
+        "max_tokens": max_tokens,
+        "stop": req.stop_list(),
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "logprobs": logprobs,
+        "top_logprobs": top_logprobs,
+    }
+    if req.seed is not None:
+        args["seed"] = req.seed
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return Job(args, len(prompts), n, prompt_tokens, logprobs, top_logprobs, bool(req.stream), include_usage)
+
+
+def _prompt_list(prompt: Any) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], int):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def _fit_context(num_prompt: int, limit: int | None, max_context: int, param: str) -> int:
+    """The completion budget: `limit` if prompt + limit fits the context, else a 400."""
+    if limit is None:
+        if num_prompt >= max_context:
+            raise InvalidRequest(
+                f"This model's maximum context length is {max_context} tokens. However, your {param} "
+                f"resulted in {num_prompt} tokens, which leaves no room for a completion.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return max_context - num_prompt
+    if num_prompt + limit > max_context:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_context} tokens. However, you requested "
+            f"{num_prompt + limit} tokens ({num_prompt} in the {param}, {limit} in the completion). "
+            f"Please reduce the length of the {param} or the completion.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return limit
+
+
+def _template_role(role: str) -> str:
+    return "system" if role == "developer" else role
+
+
+def _message_text(message: Any) -> str:
+    text: str = message.text()
+    if message.tool_calls:
+        calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls]
+        text += json.dumps({"tool_calls": calls})
+    return text
+
+
+def _check_unsupported_sampling(frequency: float | None, presence: float | None, bias: dict[str, int] | None) -> None:
+    if frequency:
+        raise InvalidRequest(
+            "frequency_penalty is not supported (only 0)", param="frequency_penalty", code="unsupported_parameter"
+        )
+    if presence:
+        raise InvalidRequest(
+            "presence_penalty is not supported (only 0)", param="presence_penalty", code="unsupported_parameter"
+        )
+    if bias:
+        raise InvalidRequest("logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
+
+
+def _check_schema(schema: dict[str, Any], param: str) -> None:
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path)
+        raise InvalidRequest(
+            f"invalid JSON schema{f' at {where}' if where else ''}: {exc.message}", param=param, code="invalid_schema"
+        ) from None
+
+
+def _not_yet(what: str, param: str) -> InvalidRequest:
+    # The seam for grammar-constrained generation: once the inferlet world exposes grammars, the
+    # chat inferlet gets the schema / tools in its argument and this refusal goes away.
+    return InvalidRequest(
+        f"{what} is not supported yet: grammar-constrained generation is not available to inferlets",
+        param=param,
+        code="unsupported_parameter",
+    )
+
+
+def _check_response_format(req: ChatCompletionRequest) -> None:
+    fmt = req.response_format
+    if isinstance(fmt, JsonSchemaResponseFormat):
+        if fmt.json_schema.schema_ is not None:
+            _check_schema(fmt.json_schema.schema_, "response_format.json_schema.schema")
+        raise _not_yet("response_format json_schema", "response_format")
+    if isinstance(fmt, JsonObjectFormat):
+        if not any("json" in _message_text(m).lower() for m in req.messages):
+            # The OpenAI API insists on this, so that the model is told to write JSON.
+            raise InvalidRequest(
+                "'messages' must contain the word 'json' in some form, to use 'response_format' of type 'json_object'",
+                param="messages",
+            )
+        raise _not_yet("response_format json_object", "response_format")
+
+
+def _check_tools(req: ChatCompletionRequest) -> None:
+    if not req.tools:
+        return
+    names = set()
+    for i, tool in enumerate(req.tools):
+        if tool.function.name in names:
+            raise InvalidRequest(f"duplicate tool name {tool.function.name!r}", param=f"tools[{i}].function.name")
+        names.add(tool.function.name)
+        if tool.function.parameters is not None:
+            _check_schema(tool.function.parameters, f"tools[{i}].function.parameters")
+    choice = req.tool_choice
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise InvalidRequest(
+            f"tool_choice names function {choice.function.name!r}, which is not in tools",
+            param="tool_choice",
+        )
+    if choice != "none":
+        raise _not_yet("tool calling", "tools")

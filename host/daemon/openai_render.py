@@ -1,0 +1,216 @@
+"""The chat inferlet's messages turned into OpenAI response objects: whole responses, stream
+chunks, logprobs in the chat and the legacy layouts, and usage.
+
+Pure: it sees parsed inferlet messages and a tokenizer, never a run or a socket.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from host.daemon.openai_prepare import Job
+from host.services import Tokenizer
+from host.tokenizer import BytesTokenizer
+
+LogprobEntry = list[Any]  # [token, logprob, top_ids, top_logprobs] as the chat inferlet sends it
+
+
+@dataclass(slots=True)
+class Choice:
+    index: int
+    text: str = ""
+    entries: list[LogprobEntry] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_tokens: int = 0
+
+
+class Renderer:
+    """Accumulates one request's choices and renders them; `kind` is "chat" or "completion"."""
+
+    def __init__(self, kind: str, job: Job, model_name: str, tokenizer: Tokenizer, request_id: str) -> None:
+        self.kind = kind
+        self.job = job
+        self.model = model_name
+        self._tokenizer = tokenizer
+        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}"
+        self.created = int(time.time())
+        self.choices = [Choice(i) for i in range(job.num_prompts * job.n)]
+        self.prompt_tokens = job.prompt_tokens
+        self._token_text: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ feeding
+
+    def apply(self, message: dict[str, Any]) -> list[tuple[int, str, list[LogprobEntry], str | None]]:
+        """Fold one inferlet message in; returns the (index, text, entries, finish) updates."""
+        if "prompt_tokens" in message:
+            self.prompt_tokens = sum(int(n) for n in message["prompt_tokens"])
+            return []
+        updates: dict[int, tuple[int, str, list[LogprobEntry], str | None]] = {}
+        for index, text, entry in message.get("deltas", ()):
+            choice = self.choices[index]
+            choice.text += text
+            entries = [entry] if entry is not None else []
+            choice.entries += entries
+            updates[index] = (index, text, entries, None)
+        for index, reason, num_tokens in message.get("finished", ()):
+            choice = self.choices[index]
+            choice.finish_reason = reason
+            choice.num_tokens = int(num_tokens)
+            _, text, entries, _ = updates.get(index, (index, "", [], None))
+            updates[index] = (index, text, entries, reason)
+        return list(updates.values())
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+    # ------------------------------------------------------------------ whole responses
+
+    def response(self) -> dict[str, Any]:
+        if self.kind == "chat":
+            choices = [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text, "refusal": None},
+                    "logprobs": self._chat_logprobs(c.entries) if self.job.logprobs else None,
+                    "finish_reason": c.finish_reason or "length",
+                }
+                for c in self.choices
+            ]
+            obj = "chat.completion"
+        else:
+            choices = [
+                {
+                    "index": c.index,
+                    "text": c.text,
+                    "logprobs": self._legacy_logprobs(c.entries, 0) if self.job.logprobs else None,
+                    "finish_reason": c.finish_reason or "length",
+                }
+                for c in self.choices
+            ]
+            obj = "text_completion"
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(),
+            "system_fingerprint": None,
+        }
+
+    # ------------------------------------------------------------------ stream chunks
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "system_fingerprint": None,
+        }
+        if self.job.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        """Chat streams open each choice with the assistant role, as the OpenAI API does."""
+        if self.kind != "chat":
+            return []
+        return [
+            self._chunk(
+                [
+                    {
+                        "index": c.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+            for c in self.choices
+        ]
+
+    def update_chunks(self, updates: list[tuple[int, str, list[LogprobEntry], str | None]]) -> list[dict[str, Any]]:
+        chunks = []
+        for index, text, entries, finish in updates:
+            if text or entries:
+                if self.kind == "chat":
+                    choice: dict[str, Any] = {
+                        "index": index,
+                        "delta": {"content": text},
+                        "logprobs": self._chat_logprobs(entries) if self.job.logprobs else None,
+                        "finish_reason": None,
+                    }
+                else:
+                    offset = len(self.choices[index].text) - len(text)
+                    choice = {
+                        "index": index,
+                        "text": text,
+                        "logprobs": self._legacy_logprobs(entries, offset) if self.job.logprobs else None,
+                        "finish_reason": None,
+                    }
+                chunks.append(self._chunk([choice]))
+            if finish is not None:
+                if self.kind == "chat":
+                    done: dict[str, Any] = {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}
+                else:
+                    done = {"index": index, "text": "", "logprobs": None, "finish_reason": finish}
+                chunks.append(self._chunk([done]))
+        return chunks
+
+    def usage_chunk(self) -> dict[str, Any]:
+        chunk = self._chunk([])
+        chunk["usage"] = self.usage()
+        return chunk
+
+    # ------------------------------------------------------------------ logprobs
+
+    def _text(self, token: int) -> str:
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._tokenizer.decode([token])
+            self._token_text[token] = text
+        return text
+
+    def _bytes(self, token: int) -> list[int]:
+        if isinstance(self._tokenizer, BytesTokenizer):
+            return [token] if token < 256 else []
+        return list(self._text(token).encode("utf-8"))
+
+    def _chat_logprobs(self, entries: list[LogprobEntry]) -> dict[str, Any]:
+        content = []
+        for token, logprob, top_ids, top_lps in entries:
+            content.append(
+                {
+                    "token": self._text(token),
+                    "logprob": logprob,
+                    "bytes": self._bytes(token),
+                    "top_logprobs": [
+                        {"token": self._text(t), "logprob": lp, "bytes": self._bytes(t)}
+                        for t, lp in zip(top_ids, top_lps, strict=True)
+                    ],
+                }
+            )
+        return {"content": content, "refusal": None}
+
+    def _legacy_logprobs(self, entries: list[LogprobEntry], offset: int) -> dict[str, Any]:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for token, logprob, top_ids, top_lps in entries:
+            text = self._text(token)
+            tokens.append(text)
+            token_lps.append(logprob)
+            tops.append({self._text(t): lp for t, lp in zip(top_ids, top_lps, strict=True)})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}

@@ -1,0 +1,56 @@
+"""Operations endpoints: `/health` (driver state, runs, engine counters) and `/metrics`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio.to_thread
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from host.daemon.daemon import Daemon
+from host.daemon.http_util import daemon_of
+from host.daemon.supervisor import DriverState
+
+router = APIRouter(tags=["operations"])
+
+
+def _health(daemon: Daemon) -> tuple[int, dict[str, Any]]:
+    status = daemon.supervisor.status()
+    is_ready = status.state is DriverState.READY
+    engine_info: dict[str, Any] = {}
+    engine = daemon.live_engine()
+    if engine is not None:
+        engine_info = {
+            "model": engine.model.name,
+            "max_context": engine.model.max_context,
+            "free_pages": engine.num_free_pages,
+            "speculation": engine.speculation_stats(),
+            "prefix": engine.prefix_stats(),
+            "driver_stats": daemon.driver_stats(),
+        }
+    body = {
+        "status": "ok" if is_ready else "unavailable",
+        "driver": {
+            "state": status.state.value,
+            "pid": status.pid,
+            "restarts": status.num_restarts,
+            "last_error": status.last_error or None,
+            "generation": status.generation,
+        },
+        "runs": daemon.runs.counts(),
+        "engine": engine_info,
+    }
+    return (200 if is_ready else 503), body
+
+
+@router.get("/health", summary="Driver state, runs and engine counters (503 while the driver is down)")
+async def health(request: Request) -> JSONResponse:
+    code, body = await anyio.to_thread.run_sync(_health, daemon_of(request))
+    return JSONResponse(body, status_code=code)
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
+async def metrics(request: Request) -> PlainTextResponse:
+    text = await anyio.to_thread.run_sync(daemon_of(request).metrics.render)
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,233 @@
+"""Runs started over HTTP: admission (the concurrent-run limit), the sandbox start on the live
+engine, state, cancellation, and draining at shutdown.
+
+It knows the sandbox and the supervisor; it knows nothing of HTTP or of the OpenAI API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio.to_thread
+from wasmtime.component import Component
+
+from host.daemon.config import DaemonConfig
+from host.daemon.errors import DriverUnavailable, NotFound, TooManyRuns
+from host.daemon.logs import request_id_var
+from host.daemon.run_log import RunLog
+from host.daemon.supervisor import Supervisor
+from host.sandbox import RunHandle, RunOutcome, RunStatus, Sandbox, SandboxConfig
+from host.sandbox.config import MIB
+
+log = logging.getLogger("wafer.daemon.runs")
+
+MAX_KEPT_FINISHED = 256  # finished runs kept for `GET /v1/runs` and late followers
+
+
+class RunState(enum.Enum):
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+
+
+_STATE_OF = {
+    RunStatus.OK: RunState.SUCCEEDED,
+    RunStatus.GUEST_ERROR: RunState.FAILED,
+    RunStatus.TRAPPED: RunState.FAILED,
+    RunStatus.TIMED_OUT: RunState.TIMED_OUT,
+    RunStatus.CANCELLED: RunState.CANCELLED,
+}
+
+
+@dataclass(slots=True)
+class RunRecord:
+    run_id: int
+    inferlet: str
+    kind: str  # "inferlet" (started by a client) or "chat" (serving an OpenAI request)
+    generation: int  # the engine generation it runs on (see Supervisor)
+    created_at: float
+    handle: RunHandle
+    log: RunLog
+    outcome: RunOutcome | None = None
+    owner: str = ""  # digest of the API key that started it: only that key sees the run
+    request_id: str = ""  # of the HTTP request that started it (for the logs of its end)
+    driver_lost: str = ""  # set when the driver died under the run
+    is_cancel_requested: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.is_cancel_requested = True
+        self.handle.cancel()
+
+    @property
+    def state(self) -> RunState:
+        if self.outcome is None:
+            return RunState.RUNNING
+        # A cancelled guest may see its pending pass fail and return that error before the
+        # sandbox stops it at a host call: after a cancel, any failure is the cancel.
+        if self.is_cancel_requested and not self.outcome.is_ok and self.outcome.status is not RunStatus.TIMED_OUT:
+            return RunState.CANCELLED
+        return _STATE_OF[self.outcome.status]
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.run_id,
+            "object": "run",
+            "inferlet": self.inferlet,
+            "kind": self.kind,
+            "state": self.state.value,
+            "created": int(self.created_at),
+        }
+        if self.outcome is not None:
+            out["error"] = self.error_message()
+        return out
+
+    def error_message(self) -> str | None:
+        if self.outcome is None or self.outcome.is_ok:
+            return None
+        if self.state is RunState.CANCELLED:
+            return "cancelled"
+        error = self.outcome.error or self.outcome.status.value
+        return f"{error} (the model driver failed: {self.driver_lost})" if self.driver_lost else error
+
+
+class RunRegistry:
+    def __init__(self, config: DaemonConfig, sandbox: Sandbox, supervisor: Supervisor) -> None:
+        self._config = config
+        self._sandbox = sandbox
+        self._supervisor = supervisor
+        self._lock = threading.Lock()
+        self._runs: OrderedDict[int, RunRecord] = OrderedDict()
+        self._num_running = 0
+        self._num_ended: dict[RunState, int] = dict.fromkeys(RunState, 0)
+        self._is_draining = False
+        self._run_config = SandboxConfig(
+            cache_dir=config.cache_dir,
+            memory_limit_bytes=config.run_memory_mib * MIB,
+            inactivity_timeout_s=config.run_watchdog_s,
+            wall_budget_s=config.run_timeout_s,
+        )
+
+    # ------------------------------------------------------------------ starting
+
+    async def start(
+        self,
+        component: Component,
+        inferlet: str,
+        args: Sequence[str],
+        kind: str,
+        engine_wait_s: float,
+        owner: str = "",
+    ) -> RunRecord:
+        """Admit and start a run (waits up to `engine_wait_s` for a restarting driver)."""
+        with self._lock:
+            if self._is_draining:
+                raise DriverUnavailable("the daemon is shutting down")
+            if self._num_running >= self._config.max_concurrent_runs:
+                raise TooManyRuns(self._config.max_concurrent_runs)
+            self._num_running += 1
+        try:
+            engine, generation = await anyio.to_thread.run_sync(self._supervisor.engine, engine_wait_s)
+            run_log = RunLog(f"a {kind} run", asyncio.get_running_loop())
+            handle = self._sandbox.start(component, engine, list(args), io=run_log, config=self._run_config)
+        except BaseException:
+            with self._lock:
+                self._num_running -= 1
+            raise
+        record = RunRecord(
+            handle.run_id,
+            inferlet,
+            kind,
+            generation,
+            time.time(),
+            handle,
+            run_log,
+            owner=owner,
+            request_id=request_id_var.get(),
+        )
+        with self._lock:
+            self._runs[record.run_id] = record
+        threading.Thread(
+            target=self._await_end, args=(record,), name=f"wafer-run-{record.run_id}-end", daemon=True
+        ).start()
+        log.info("run %d started (%s %s)", record.run_id, kind, inferlet, extra={"run_id": record.run_id})
+        return record
+
+    def _await_end(self, record: RunRecord) -> None:
+        outcome = record.handle.wait()
+        if not outcome.is_ok and outcome.status is not RunStatus.CANCELLED and not record.is_cancel_requested:
+            record.driver_lost = self._supervisor.lost_reason(record.generation)
+        record.outcome = outcome
+        with self._lock:
+            self._num_running -= 1
+            self._num_ended[record.state] += 1
+            self._evict_finished()
+        record.log.end(record.describe())
+        record.done.set()
+        log.info(
+            "run %d ended: %s%s",
+            record.run_id,
+            record.state.value,
+            f" ({record.error_message()})" if record.error_message() else "",
+            extra={"run_id": record.run_id, "request_id": record.request_id},
+        )
+
+    def _evict_finished(self) -> None:
+        finished = [r for r in self._runs.values() if r.outcome is not None]
+        for record in finished[: max(0, len(finished) - MAX_KEPT_FINISHED)]:
+            del self._runs[record.run_id]
+
+    # ------------------------------------------------------------------ queries and control
+
+    def get(self, run_id: int, owner: str | None = None) -> RunRecord:
+        """The run; with `owner`, only a run that key started (any other is "not found")."""
+        with self._lock:
+            record = self._runs.get(run_id)
+        if record is None or (owner is not None and record.owner != owner):
+            raise NotFound(f"no run {run_id}", param="run_id", code="run_not_found")
+        return record
+
+    def list(self, kind: str | None = None, owner: str | None = None) -> list[RunRecord]:
+        with self._lock:
+            return [
+                r
+                for r in self._runs.values()
+                if (kind is None or r.kind == kind) and (owner is None or r.owner == owner)
+            ]
+
+    def counts(self) -> dict[str, int]:
+        """Runs now running, and runs ended so far by final state (for /metrics)."""
+        with self._lock:
+            out = {state.value: n for state, n in self._num_ended.items()}
+            out[RunState.RUNNING.value] = self._num_running
+            return out
+
+    @property
+    def num_running(self) -> int:
+        with self._lock:
+            return self._num_running
+
+    def drain(self, timeout_s: float) -> None:
+        """Refuse new runs, let running ones finish for `timeout_s`, then cancel the rest."""
+        with self._lock:
+            self._is_draining = True
+            running = [r for r in self._runs.values() if r.outcome is None]
+        deadline = time.monotonic() + timeout_s
+        for record in running:
+            record.done.wait(max(0.0, deadline - time.monotonic()))
+        leftover = [r for r in running if not r.done.is_set()]
+        for record in leftover:
+            log.warning("run %d still running at shutdown: cancelling it", record.run_id)
+            record.cancel()
+        for record in leftover:
+            record.done.wait(5.0)

@@ -1,0 +1,238 @@
+"""Driver supervision: start the driver process and the engine on it, watch both, and when the
+driver dies fail what was in flight (the engine does), then restart with exponential backoff.
+
+It owns the driver process and the `Engine`; it knows nothing of HTTP or runs.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from host.daemon.config import DaemonConfig
+from host.daemon.errors import DriverUnavailable
+from host.engine import Engine
+from host.errors import HostError
+
+log = logging.getLogger("wafer.daemon.driver")
+
+_POLL_S = 0.05  # how often the driver process is checked: bounds how late a death is noticed
+_HEALTH_EVERY_S = 2.0  # a bridge round trip, catching a live process with a dead link
+_STABLE_AFTER_S = 30.0  # a driver up this long resets the backoff
+
+
+class DriverState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    RESTARTING = "restarting"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class DriverStatus:
+    state: DriverState
+    pid: int | None
+    num_restarts: int
+    last_error: str
+    generation: int  # increments with every engine started: tells runs of a dead engine apart
+
+
+class Supervisor:
+    def __init__(self, config: DaemonConfig, on_lost: Callable[[int, str], None] | None = None) -> None:
+        self._config = config
+        self._on_lost = on_lost
+        self._cond = threading.Condition()
+        self._stopping = threading.Event()
+        self._engine: Engine | None = None
+        self._state = DriverState.STARTING
+        self._pid: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._num_restarts = 0
+        self._last_error = ""
+        self._generation = 0
+        self._thread = threading.Thread(target=self._main, name="wafer-supervisor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Close the engine and stop the driver; idempotent."""
+        self._stopping.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    @property
+    def is_stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def status(self) -> DriverStatus:
+        with self._cond:
+            return DriverStatus(self._state, self._pid, self._num_restarts, self._last_error, self._generation)
+
+    def engine(self, timeout_s: float = 0.0) -> tuple[Engine, int]:
+        """The live engine and its generation, waiting up to `timeout_s` for a (re)start."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            # A driver that just died is not handed out in the moment before the watcher notices.
+            while self._engine is None or (self._proc is not None and self._proc.poll() is not None):
+                remaining = deadline - time.monotonic()
+                if self._stopping.is_set() or remaining <= 0:
+                    detail = f": {self._last_error}" if self._last_error else ""
+                    raise DriverUnavailable(f"the model driver is {self._state.value}{detail}")
+                self._cond.wait(min(remaining, _POLL_S))
+            return self._engine, self._generation
+
+    def is_current(self, generation: int) -> bool:
+        with self._cond:
+            return self._engine is not None and self._generation == generation
+
+    def lost_reason(self, generation: int, settle_s: float = 0.25) -> str:
+        """Why the engine of `generation` is gone, or "" if it still looks alive. A run that failed
+        because its driver died can end a moment before the process is reaped: look again
+        for up to `settle_s` before calling it alive."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            with self._cond:
+                if self._generation != generation or self._engine is None:
+                    return self._last_error or "the driver was lost"
+                proc = self._proc
+            if proc is not None and proc.poll() is not None:
+                return f"driver process {proc.pid} exited with status {proc.returncode}"
+            if time.monotonic() >= deadline:
+                return ""
+            time.sleep(_POLL_S)
+
+    # ------------------------------------------------------------------ the supervisor thread
+
+    def _main(self) -> None:
+        backoff_s = self._config.restart_backoff_initial_s
+        while not self._stopping.is_set():
+            started_at = time.monotonic()
+            reason = self._run_once()
+            if self._stopping.is_set():
+                break
+            if time.monotonic() - started_at > _STABLE_AFTER_S:
+                backoff_s = self._config.restart_backoff_initial_s
+            log.warning("driver lost (%s); restarting in %.2f s", reason, backoff_s)
+            with self._cond:
+                self._state = DriverState.RESTARTING
+                self._last_error = reason
+                self._num_restarts += 1
+            self._stopping.wait(backoff_s)
+            backoff_s = min(backoff_s * 2, self._config.restart_backoff_max_s)
+        with self._cond:
+            self._state = DriverState.STOPPED
+            self._cond.notify_all()
+
+    def _run_once(self) -> str:
+        """Start a driver and an engine, serve until one fails or we stop; returns why it ended."""
+        workdir = tempfile.mkdtemp(prefix="wafer-daemon-driver-")
+        proc: subprocess.Popen[bytes] | None = None
+        engine: Engine | None = None
+        try:
+            address = self._config.driver
+            if self._config.is_supervised:
+                address = f"unix:{os.path.join(workdir, 'driver.sock')}"
+                proc = self._spawn(address, workdir)
+                with self._cond:
+                    self._pid, self._proc = proc.pid, proc
+                self._wait_for_socket(proc, address, workdir)
+            engine = Engine.start(
+                driver=address,
+                speculation_depth=self._config.speculation_depth,
+                startup_timeout_s=self._config.driver_startup_timeout_s,
+            )
+            with self._cond:
+                self._generation += 1
+                generation = self._generation
+                self._engine = engine
+                self._state = DriverState.READY
+                self._last_error = ""
+                self._cond.notify_all()
+            log.info("driver ready: %s (model %s)", address, engine.model.name)
+            reason = self._watch(proc, engine)
+            self._lose(generation, reason)
+            return reason
+        except (HostError, DriverUnavailable, OSError) as exc:
+            return f"driver start failed: {exc}"
+        finally:
+            with self._cond:
+                self._engine = None
+                self._pid, self._proc = None, None
+            if engine is not None:
+                engine.close()  # fails every pass still waiting, so runs on it end now
+            if proc is not None:
+                _stop_process(proc)
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    def _lose(self, generation: int, reason: str) -> None:
+        with self._cond:
+            self._engine = None
+            if not self._stopping.is_set():
+                self._state = DriverState.RESTARTING
+        if self._on_lost is not None:
+            self._on_lost(generation, reason)
+
+    def _spawn(self, address: str, workdir: str) -> subprocess.Popen[bytes]:
+        argv = [sys.executable, "-m", f"drivers.{self._config.driver}", "--listen", address, *self._config.driver_argv]
+        with open(os.path.join(workdir, "driver.log"), "wb") as log_file:
+            # Its own session: a Ctrl-C meant for the daemon must not kill the driver before the
+            # daemon has drained its runs.
+            return subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def _wait_for_socket(self, proc: subprocess.Popen[bytes], address: str, workdir: str) -> None:
+        path = address.removeprefix("unix:")
+        deadline = time.monotonic() + self._config.driver_startup_timeout_s
+        while not os.path.exists(path):
+            if proc.poll() is not None:
+                raise DriverUnavailable(f"driver exited with status {proc.returncode}: {_tail(workdir)}")
+            if time.monotonic() > deadline or self._stopping.is_set():
+                raise DriverUnavailable(f"driver did not listen within the startup timeout: {_tail(workdir)}")
+            time.sleep(_POLL_S)
+
+    def _watch(self, proc: subprocess.Popen[bytes] | None, engine: Engine) -> str:
+        next_health = time.monotonic() + _HEALTH_EVERY_S
+        while not self._stopping.wait(_POLL_S):
+            if proc is not None and proc.poll() is not None:
+                return f"driver process {proc.pid} exited with status {proc.returncode}"
+            if time.monotonic() >= next_health:
+                try:
+                    engine.driver_health()
+                except HostError as exc:
+                    return f"driver health check failed: {exc}"
+                next_health = time.monotonic() + _HEALTH_EVERY_S
+        return "daemon stopping"
+
+
+def _tail(workdir: str, num_bytes: int = 2000) -> str:
+    path = os.path.join(workdir, "driver.log")
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - num_bytes))
+            return f.read().decode("utf-8", errors="replace").strip() or "(no output)"
+    except OSError:
+        return "(no output)"
+
+
+def _stop_process(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -1,0 +1,133 @@
+"""chat: the daemon's built-in generator behind the OpenAI-compatible endpoints.
+
+It takes one JSON argument (the request, already validated by the host), fills each prompt once,
+forks it into `n` branches that share the prompt's KV pages, and decodes every live branch in the
+same device passes. It streams JSON messages through `send` (see README.md for their shapes).
+"""
+
+import json
+
+from componentize_py_types import Err
+from decoding import Branch, StopMatcher, Utf8Decoder
+from inferlet import InferletError, model_info, render_chat, send, tokenize
+from wit_world.imports import context as _ctx
+from wit_world.imports import inference as _inf
+
+
+def _call(fn, *args):
+    try:
+        return fn(*args)
+    except Err as e:
+        raise InferletError(str(e.value)) from None
+
+
+def _sampler(req: dict, branch_index: int) -> _inf.Sampler:
+    temperature = float(req.get("temperature", 1.0))
+    top_p = float(req.get("top_p", 1.0))
+    if temperature == 0 or top_p == 0:
+        return _inf.Sampler(_inf.SamplerKind.GREEDY, 1.0, 0, 1.0, 0.0, -1)
+    seed = req.get("seed")
+    # Branch i draws with seed + i: seeded choices are reproducible and differ from each other.
+    wit_seed = -1 if seed is None else (int(seed) + branch_index) % (1 << 63)
+    return _inf.Sampler(_inf.SamplerKind.RANDOM, temperature, 0, top_p, 0.0, wit_seed)
+
+
+def _prompt_tokens(prompt: dict) -> list[int]:
+    if "messages" in prompt:
+        return tokenize(render_chat([(m[0], m[1]) for m in prompt["messages"]], True))
+    if "text" in prompt:
+        return tokenize(prompt["text"])
+    return [int(t) for t in prompt["tokens"]]
+
+
+def _fill(tokens: list[int]) -> _ctx.Context:
+    """A context holding all prompt tokens but the last, which stays pending: it is the input
+    that predicts the first generated token."""
+    ctx = _call(_ctx.Context.create)
+    if len(tokens) > 1:
+        with _inf.ForwardPass(ctx) as fp:
+            fp.input_tokens(tokens[:-1])
+            _call(fp.execute)
+    return ctx
+
+
+def _step(branches: list[Branch], probe: _inf.Probe, probe_k: int) -> list[_inf.Output]:
+    """One decode step of every branch: all passes are submitted first so they share a pass."""
+    passes = []
+    for b in branches:
+        fp = _inf.ForwardPass(b.ctx)
+        fp.input_tokens([b.pending])
+        fp.output(0, b.sampler, probe, probe_k)
+        passes.append(fp)
+    try:
+        for fp in passes:
+            fp.submit()
+        results = []
+        for fp in passes:  # wait for every pass, even after a failure, so none is left running
+            try:
+                results.append(fp.execute())
+            except Err as e:
+                results.append(e)
+    finally:
+        for fp in passes:
+            fp.__exit__(None, None, None)
+    outputs = []
+    for result in results:
+        if isinstance(result, Err):
+            raise InferletError(str(result.value))
+        outputs.append(result[0])
+    return outputs
+
+
+def main(args: list[str]) -> None:
+    if len(args) != 1:
+        raise InferletError("chat takes one argument: the request as JSON")
+    req = json.loads(args[0])
+    n = int(req.get("n", 1))
+    max_tokens = int(req["max_tokens"])
+    want_logprobs = bool(req.get("logprobs", False))
+    probe_k = int(req.get("top_logprobs", 0))
+    probe = _inf.Probe.LOGPROBS if want_logprobs else _inf.Probe(0)
+    stop_tokens = set(model_info().stop_tokens)
+    stops = [s for s in req.get("stop", []) if s]
+
+    branches: list[Branch] = []
+    prompt_lengths = []
+    for p_index, prompt in enumerate(req["prompts"]):
+        tokens = _prompt_tokens(prompt)
+        if not tokens:
+            raise InferletError(f"prompt {p_index} is empty")
+        prompt_lengths.append(len(tokens))
+        root = _fill(tokens)
+        for i in range(n):
+            ctx = root if i == n - 1 else _call(root.fork)
+            index = p_index * n + i
+            branches.append(Branch(index, ctx, tokens[-1], _sampler(req, index), Utf8Decoder(), StopMatcher(stops)))
+    send(json.dumps({"prompt_tokens": prompt_lengths}))
+
+    live = list(branches)
+    while live:
+        outputs = _step(live, probe, probe_k)
+        deltas, finished = [], []
+        for b, out in zip(live, outputs, strict=True):
+            token = int(out.token)
+            b.pending = token
+            b.num_tokens += 1
+            entry = [token, float(out.logprob), list(out.topk_ids), list(out.topk_logprobs)] if want_logprobs else None
+            if token in stop_tokens:
+                deltas.append([b.index, b.stop.flush(b.decoder.flush()), entry])
+                b.finish_reason = "stop"
+            else:
+                text, hit = b.stop.push(b.decoder.push(token))
+                if hit:
+                    b.finish_reason = "stop"
+                elif b.num_tokens >= max_tokens:
+                    text += b.stop.flush(b.decoder.flush())
+                    b.finish_reason = "length"
+                deltas.append([b.index, text, entry])
+            if b.finish_reason is not None:
+                finished.append([b.index, b.finish_reason, b.num_tokens])
+        send(json.dumps({"deltas": deltas, "finished": finished}))
+        for b in [b for b in live if b.finish_reason is not None]:
+            b.ctx.__exit__(None, None, None)  # free the branch's pages as soon as it is done
+        live = [b for b in live if b.finish_reason is None]

@@ -1,0 +1,89 @@
+"""The one configuration reader: file < environment < flags, and errors that name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from host.daemon.config import DaemonConfig, load_config
+from host.daemon.errors import ConfigError
+
+
+def test_defaults() -> None:
+    config = load_config({}, environ={})
+    assert config == DaemonConfig()
+    assert config.is_supervised and config.driver == "dummy"
+
+
+def test_flags_beat_environment_beat_file(tmp_path: Path) -> None:
+    path = tmp_path / "wafer.toml"
+    path.write_text('port = 9000\nhost = "0.0.0.0"\napi_keys = ["a"]\nspeculation_depth = 2\n')
+    env = {"WAFER_PORT": "9001", "WAFER_API_KEYS": "b, c", "WAFER_DRIVER_ARGS": "--num-pages 64"}
+    config = load_config({"port": 9002, "driver": None}, environ=env, config_path=path)
+    assert config.port == 9002  # flag
+    assert config.api_keys == ("b", "c")  # environment over file
+    assert config.host == "0.0.0.0"  # file
+    assert config.speculation_depth == 2
+    assert config.driver_args == ("--num-pages", "64")
+    assert config.driver == "dummy"  # a None flag is unset
+
+
+def test_config_file_named_by_environment(tmp_path: Path) -> None:
+    path = tmp_path / "wafer.toml"
+    path.write_text("max_concurrent_runs = 3\n")
+    assert load_config({}, environ={"WAFER_CONFIG": str(path)}).max_concurrent_runs == 3
+
+
+def test_torch_model_becomes_a_driver_option() -> None:
+    config = load_config({"driver": "torch", "model": "/m.gguf", "driver_args": ["--threads", "2"]}, environ={})
+    assert config.driver_argv == ("--model", "/m.gguf", "--threads", "2")
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "key"),
+    [
+        ({"port": 70000}, {}, "port"),
+        ({}, {"WAFER_PORT": "eighty"}, "port"),
+        ({"driver": "gpu"}, {}, "driver"),
+        ({"model": "x"}, {}, "model"),  # the dummy driver loads no model
+        ({"speculation_depth": -1}, {}, "speculation_depth"),
+        ({"max_concurrent_runs": 0}, {}, "max_concurrent_runs"),
+        ({"run_memory_mib": 8}, {}, "run_memory_mib"),
+        ({"run_timeout_s": 0}, {}, "run_timeout_s"),
+        ({}, {"WAFER_RUN_TIMEOUT_S": "soon"}, "run_timeout_s"),
+        ({"log_level": "loud"}, {}, "log_level"),
+        ({"api_keys": [" padded "]}, {}, "api_keys"),
+        ({"api_keys": [1]}, {}, "api_keys"),
+        ({"port": True}, {}, "port"),
+        ({"no_such_key": 1}, {}, "no_such_key"),
+    ],
+)
+def test_bad_values_name_the_key(flags: dict[str, object], env: dict[str, str], key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(flags, environ=env)
+    assert info.value.key == key
+    assert repr(key) in str(info.value)
+
+
+def test_bad_file(tmp_path: Path) -> None:
+    path = tmp_path / "wafer.toml"
+    path.write_text("port = [\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config({}, environ={}, config_path=path)
+    path.write_text("prot = 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config({}, environ={}, config_path=path)
+    assert info.value.key == "prot"
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config({}, environ={}, config_path=tmp_path / "missing.toml")
+    path.write_text('port = "80"\n')  # a file has types: a string is not a port
+    with pytest.raises(ConfigError) as info:
+        load_config({}, environ={}, config_path=path)
+    assert info.value.key == "port"
+
+
+def test_data_dir_follows_cache_dir(tmp_path: Path) -> None:
+    config = load_config({"cache_dir": str(tmp_path)}, environ={})
+    assert config.data_dir == tmp_path / "daemon"
+    assert load_config({"cache_dir": str(tmp_path), "data_dir": "/srv/x"}, environ={}).data_dir == Path("/srv/x")

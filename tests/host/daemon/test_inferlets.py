@@ -1,0 +1,129 @@
+"""Inferlet endpoints: upload (key required, size-limited, named by content hash), runs with
+args, their SSE stream, messages to them, cancel, and the list of runs with their states."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from tests.host.daemon.conftest import OTHER_KEY, Server
+from tests.host.daemon.sse import events
+
+
+@pytest.fixture(scope="module")
+def echo_id(server: Server) -> str:
+    data = server.echo_wasm.read_bytes()
+    with server.http() as http:
+        response = http.post("/v1/inferlets", content=data, headers={"content-type": "application/wasm"})
+        assert response.status_code in (200, 201), response.text
+        body = response.json()
+    assert body["id"] == f"sha256:{hashlib.sha256(data).hexdigest()}"
+    assert body["bytes"] == len(data)
+    return str(body["id"])
+
+
+def test_upload_is_idempotent_and_listed(server: Server, echo_id: str) -> None:
+    with server.http() as http:
+        again = http.post("/v1/inferlets", content=server.echo_wasm.read_bytes())
+        assert again.status_code == 200 and again.json()["id"] == echo_id
+        assert echo_id in [e["id"] for e in http.get("/v1/inferlets").json()["data"]]
+        assert http.get(f"/v1/inferlets/{echo_id}").json()["id"] == echo_id
+        assert http.get(f"/v1/inferlets/sha256:{'0' * 64}").status_code == 404
+        assert http.get("/v1/inferlets/latest").status_code == 400
+
+
+def test_upload_refusals(server: Server) -> None:
+    with server.http(key=None) as http:
+        assert http.post("/v1/inferlets", content=b"\0asm").status_code == 401
+        assert http.post("/v1/runs", json={"inferlet": "chat"}).status_code == 401
+        assert http.get("/v1/runs").status_code == 401
+    with server.http() as http:
+        response = http.post("/v1/inferlets", content=b"not a component")
+        assert response.status_code == 400 and "component" in response.json()["error"]["message"]
+        assert http.post("/v1/inferlets", content=b"").status_code == 400
+        too_big = b"\0" * (server.config.max_upload_bytes + 1)
+        assert http.post("/v1/inferlets", content=too_big).status_code == 413
+
+
+def test_run_with_messages(server: Server, echo_id: str) -> None:
+    with server.http() as http:
+        started = http.post("/v1/runs", json={"inferlet": echo_id, "args": ["echo"]})
+        assert started.status_code == 201, started.text
+        run = started.json()
+        assert run["state"] == "running" and run["inferlet"] == echo_id
+        run_id = run["id"]
+        assert http.post(f"/v1/runs/{run_id}/messages", json={"message": "one"}).status_code == 200
+        assert http.post(f"/v1/runs/{run_id}/messages", json={"message": "two", "close": True}).status_code == 200
+        with http.stream("GET", f"/v1/runs/{run_id}/events") as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            seen = list(events(response))
+        outputs = "".join(data["text"] for name, data in seen if name == "output")
+        assert outputs == "echo: one\necho: two\n"
+        messages = [json.loads(data["message"]) for name, data in seen if name == "message"]
+        assert messages == [{"received": 2}]
+        assert seen[-1][0] == "end" and seen[-1][1]["state"] == "succeeded"
+        assert http.get(f"/v1/runs/{run_id}").json()["state"] == "succeeded"
+        assert http.post(f"/v1/runs/{run_id}/messages", json={"message": "late"}).status_code == 400
+        # Replay from a later point: only what came after.
+        last_seq = seen[-2][1]["seq"]
+        with http.stream("GET", f"/v1/runs/{run_id}/events", params={"after": last_seq}) as response:
+            assert [name for name, _ in events(response)] == ["end"]
+
+
+def test_run_fails_cleanly(server: Server, echo_id: str) -> None:
+    with server.http() as http:
+        run_id = http.post("/v1/runs", json={"inferlet": echo_id, "args": ["no-such-mode"]}).json()["id"]
+        with http.stream("GET", f"/v1/runs/{run_id}/events") as response:
+            end = next(data for name, data in events(response) if name == "end")
+        assert end["state"] == "failed" and "no-such-mode" in end["error"]
+
+
+def test_cancel_and_list(server: Server, echo_id: str) -> None:
+    with server.http() as http:
+        run_id = http.post("/v1/runs", json={"inferlet": echo_id, "args": ["decode"]}).json()["id"]
+        with http.stream("GET", f"/v1/runs/{run_id}/events") as response:
+            for name, _data in events(response):
+                if name == "output":  # it is decoding: now cancel it
+                    break
+        listed = {r["id"]: r for r in http.get("/v1/runs", params={"kind": "inferlet"}).json()["data"]}
+        assert listed[run_id]["state"] == "running"
+        cancelled = http.post(f"/v1/runs/{run_id}/cancel").json()
+        assert cancelled["state"] == "cancelled"
+        listed = {r["id"]: r for r in http.get("/v1/runs").json()["data"]}
+        assert listed[run_id]["state"] == "cancelled"
+        assert http.get("/v1/runs/999999").status_code == 404
+        assert http.get("/v1/runs", params={"kind": "nope"}).status_code == 400
+
+
+def test_start_refusals(server: Server) -> None:
+    with server.http() as http:
+        assert http.post("/v1/runs", json={"inferlet": f"sha256:{'1' * 64}"}).status_code == 404
+        assert http.post("/v1/runs", json={"inferlet": "chat", "args": "x"}).status_code == 400
+        assert http.post("/v1/runs", json={"args": []}).status_code == 400
+
+
+def test_builtin_chat_runs_directly(server: Server) -> None:
+    request = {"prompts": [{"text": "hi"}], "max_tokens": 3, "temperature": 0}
+    with server.http() as http:
+        run_id = http.post("/v1/runs", json={"inferlet": "chat", "args": [json.dumps(request)]}).json()["id"]
+        with http.stream("GET", f"/v1/runs/{run_id}/events") as response:
+            seen = list(events(response))
+    messages = [json.loads(data["message"]) for name, data in seen if name == "message"]
+    assert messages[0] == {"prompt_tokens": [2]}
+    assert seen[-1][1]["state"] == "succeeded"
+
+
+def test_runs_belong_to_their_key(server: Server, echo_id: str) -> None:
+    with server.http() as http, server.http(OTHER_KEY) as other:
+        run_id = http.post("/v1/runs", json={"inferlet": echo_id, "args": ["echo"]}).json()["id"]
+        assert other.get(f"/v1/runs/{run_id}").status_code == 404
+        assert other.post(f"/v1/runs/{run_id}/messages", json={"message": "x"}).status_code == 404
+        assert other.post(f"/v1/runs/{run_id}/cancel").status_code == 404
+        assert other.get(f"/v1/runs/{run_id}/events").status_code == 404
+        assert run_id not in [r["id"] for r in other.get("/v1/runs").json()["data"]]
+        assert http.get(f"/v1/runs/{run_id}").json()["state"] == "running"
+        http.post(f"/v1/runs/{run_id}/messages", json={"close": True})
+        with http.stream("GET", f"/v1/runs/{run_id}/events") as response:
+            assert list(events(response))[-1][1]["state"] == "succeeded"

@@ -1,0 +1,99 @@
+"""Operations: /health, /metrics, the OpenAPI document, request ids, and the edge refusals that
+need a differently configured daemon (checked on the middleware itself)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anyio
+
+from host.daemon.config import load_config
+from host.daemon.metrics import Histogram
+from host.daemon.middleware import EdgeMiddleware
+from tests.host.daemon.conftest import Server
+
+
+def test_health(server: Server) -> None:
+    body = server.wait_ready()
+    driver = body["driver"]
+    assert isinstance(driver, dict)
+    assert body["status"] == "ok" and driver["state"] == "ready"
+    engine = body["engine"]
+    assert isinstance(engine, dict)
+    assert engine["model"] == "dummy" and engine["max_context"] == 512
+    assert "speculation_hits" in engine["speculation"]
+    assert "running" in body["runs"]  # type: ignore[operator]
+
+
+def test_metrics(server: Server) -> None:
+    server.client().chat.completions.create(model="dummy", messages=[{"role": "user", "content": "m"}], max_tokens=3)
+    with server.http(key=None) as http:
+        response = http.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    text = response.text
+    for name in (
+        "wafer_http_request_duration_seconds_bucket",
+        "wafer_passes_total",
+        "wafer_pass_tokens_total",
+        "wafer_batch_size_mean",
+        "wafer_tokens_total",
+        "wafer_speculation_total",
+        "wafer_runs_ended_total",
+        "wafer_driver_up 1",
+        'wafer_openai_requests_total{endpoint="chat",outcome="ok"}',
+    ):
+        assert name in text, name
+    assert 'route="/v1/chat/completions"' in text
+
+
+def test_openapi_document(server: Server) -> None:
+    with server.http(key=None) as http:
+        doc = http.get("/openapi.json").json()
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/inferlets", "/v1/runs", "/health"):
+        assert path in doc["paths"], path
+    schemas = doc["components"]["schemas"]
+    assert "ChatCompletionRequest" in schemas and "Message" in schemas
+    body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/ChatCompletionRequest"}
+
+
+def test_request_ids(server: Server) -> None:
+    with server.http() as http:
+        assert http.get("/v1/models", headers={"x-request-id": "abc-123"}).headers["x-request-id"] == "abc-123"
+        generated = http.get("/v1/models", headers={"x-request-id": "bad id with spaces"}).headers["x-request-id"]
+        assert generated.startswith("req_")
+        missing = http.get("/v1/nothing")
+        assert missing.headers["x-request-id"].startswith("req_")
+        assert len(missing.headers.get_list("x-request-id")) == 1
+
+
+async def _call(app: EdgeMiddleware, method: str, path: str, headers: list[tuple[bytes, bytes]]) -> tuple[int, Any]:
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": method, "path": path, "headers": headers}
+    await app(scope, receive, send)
+    return sent[0]["status"], json.loads(sent[1]["body"]) if sent[1]["body"] else None
+
+
+def test_without_keys_the_openai_api_is_open_and_inferlets_are_disabled() -> None:
+    async def inner(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    app = EdgeMiddleware(inner, load_config({}, environ={}), Histogram("h", "h"))
+
+    async def main() -> None:
+        assert (await _call(app, "GET", "/v1/models", []))[0] == 200
+        for path in ("/v1/inferlets", "/v1/runs", "/v1/runs/1/cancel"):
+            status, body = await _call(app, "POST", path, [])
+            assert status == 403 and body["error"]["code"] == "inferlets_disabled"
+
+    anyio.run(main)

@@ -8,8 +8,9 @@ Runs on a worker thread (it tokenizes); knows the model and tokenizer, not HTTP.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
@@ -25,7 +26,12 @@ from host.daemon.openai_models import (
 from host.errors import HostError
 from host.services import ModelInfo, Tokenizer
 
+if TYPE_CHECKING:
+    from host.grammar import GrammarCompiler
+
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy endpoint's documented default
+# The engine's grammar compiler, built on first use (importing xgrammar takes a second or two).
+GrammarSource = Callable[[], "GrammarCompiler"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +57,12 @@ def check_model(requested: str, served: str) -> None:
         )
 
 
-def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokenizer) -> Job:
+def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokenizer, grammars: GrammarSource) -> Job:
     _check_unsupported_sampling(req.frequency_penalty, req.presence_penalty, req.logit_bias)
-    _check_response_format(req)
+    grammar = _check_response_format(req)
     _check_tools(req)
+    if grammar is not None:
+        _compile(grammars, grammar)
     if (
         req.max_tokens is not None
         and req.max_completion_tokens is not None
@@ -73,10 +81,13 @@ def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokeni
     limit = req.max_completion_tokens or req.max_tokens
     max_tokens = _fit_context(num_tokens, limit, model.max_context, "messages")
     top = req.top_logprobs or 0
-    return _job(req, [{"messages": messages}], num_tokens, max_tokens, bool(req.logprobs), top)
+    job = _job(req, [{"messages": messages}], num_tokens, max_tokens, bool(req.logprobs), top)
+    if grammar is not None:
+        job.args["grammar"] = grammar
+    return job
 
 
-def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Tokenizer) -> Job:
+def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Tokenizer, grammars: GrammarSource) -> Job:
     _check_unsupported_sampling(req.frequency_penalty, req.presence_penalty, req.logit_bias)
     if req.echo:
         raise InvalidRequest("echo is not supported", param="echo", code="unsupported_parameter")
@@ -208,12 +219,15 @@ def _not_yet(what: str, param: str) -> InvalidRequest:
     )
 
 
-def _check_response_format(req: ChatCompletionRequest) -> None:
+def _check_response_format(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The grammar the response must follow (for the chat inferlet), or None for text."""
     fmt = req.response_format
     if isinstance(fmt, JsonSchemaResponseFormat):
-        if fmt.json_schema.schema_ is not None:
-            _check_schema(fmt.json_schema.schema_, "response_format.json_schema.schema")
-        raise _not_yet("response_format json_schema", "response_format")
+        schema = fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {}
+        _check_schema(schema, "response_format.json_schema.schema")
+        # Always strict on our side: undeclared properties are refused (OpenAI's strict mode),
+        # and non-strict grammars of large schemas take many seconds to compile.
+        return {"kind": "json-schema", "text": json.dumps(schema), "options": {"strict": True}}
     if isinstance(fmt, JsonObjectFormat):
         if not any("json" in _message_text(m).lower() for m in req.messages):
             # The OpenAI API insists on this, so that the model is told to write JSON.
@@ -221,7 +235,19 @@ def _check_response_format(req: ChatCompletionRequest) -> None:
                 "'messages' must contain the word 'json' in some form, to use 'response_format' of type 'json_object'",
                 param="messages",
             )
-        raise _not_yet("response_format json_object", "response_format")
+        return {"kind": "json-object", "text": "", "options": {}}
+    return None
+
+
+def _compile(grammars: GrammarSource, grammar: dict[str, Any]) -> None:
+    """Compile now (it is cached for the chat inferlet's own compile): a schema the grammar
+    engine refuses is a 400 before any generation starts."""
+    try:
+        grammars().compile(grammar["kind"].replace("-", "_"), grammar["text"], grammar["options"])
+    except HostError as exc:
+        raise InvalidRequest(
+            f"the JSON schema cannot be enforced: {exc}", param="response_format", code="invalid_schema"
+        ) from None
 
 
 def _check_tools(req: ChatCompletionRequest) -> None:

@@ -20,7 +20,7 @@ from host.daemon.daemon import CHAT_INFERLET, ENGINE_WAIT_S, Daemon
 from host.daemon.errors import ApiError, DriverUnavailable, GenerationFailed
 from host.daemon.http_util import SSE_DONE, SSE_HEADERS, daemon_of, key_id_of, parse_body, request_id_of, sse
 from host.daemon.openai_models import ChatCompletionRequest, CompletionRequest
-from host.daemon.openai_prepare import Job, check_model, prepare_chat, prepare_completion
+from host.daemon.openai_prepare import GrammarSource, Job, check_model, prepare_chat, prepare_completion
 from host.daemon.openai_render import Renderer
 from host.daemon.run_log import RunEvent
 from host.daemon.runs import RunRecord
@@ -77,14 +77,14 @@ async def completions(request: Request) -> JSONResponse | StreamingResponse:
 
 
 async def _serve(
-    request: Request, kind: str, req: Any, prepare: Callable[[Any, ModelInfo, Tokenizer], Job]
+    request: Request, kind: str, req: Any, prepare: Callable[[Any, ModelInfo, Tokenizer, GrammarSource], Job]
 ) -> JSONResponse | StreamingResponse:
     daemon = daemon_of(request)
     started = time.monotonic()
     served = await anyio.to_thread.run_sync(daemon.served_model)
     check_model(req.model, served)
     engine = await anyio.to_thread.run_sync(daemon.engine)
-    job = await anyio.to_thread.run_sync(prepare, req, engine.model, engine.tokenizer)
+    job = await anyio.to_thread.run_sync(prepare, req, engine.model, engine.tokenizer, engine.grammars)
     record, early = await _start(daemon, job, key_id_of(request))
     renderer = Renderer(kind, job, served, engine.tokenizer, request_id_of(request))
     early_error = _run_error(record) if early[-1].kind == "end" else None

@@ -11,6 +11,7 @@ from componentize_py_types import Err
 from decoding import Branch, StopMatcher, Utf8Decoder
 from inferlet import InferletError, model_info, render_chat, send, tokenize
 from wit_world.imports import context as _ctx
+from wit_world.imports import grammar as _g
 from wit_world.imports import inference as _inf
 
 
@@ -58,6 +59,8 @@ def _step(branches: list[Branch], probe: _inf.Probe, probe_k: int) -> list[_inf.
         fp = _inf.ForwardPass(b.ctx)
         fp.input_tokens([b.pending])
         fp.output(0, b.sampler, probe, probe_k)
+        if b.matcher is not None:
+            fp.use_matcher(0, b.matcher.id())
         passes.append(fp)
     try:
         for fp in passes:
@@ -90,6 +93,10 @@ def main(args: list[str]) -> None:
     probe = _inf.Probe.LOGPROBS if want_logprobs else _inf.Probe(0)
     stop_tokens = set(model_info().stop_tokens)
     stops = [s for s in req.get("stop", []) if s]
+    grammar = None
+    if "grammar" in req:  # response_format: every step masked by the grammar, on the host
+        spec = req["grammar"]
+        grammar = _call(_g.Grammar.compile, spec["kind"], spec["text"], json.dumps(spec["options"]))
 
     branches: list[Branch] = []
     prompt_lengths = []
@@ -102,7 +109,10 @@ def main(args: list[str]) -> None:
         for i in range(n):
             ctx = root if i == n - 1 else _call(root.fork)
             index = p_index * n + i
-            branches.append(Branch(index, ctx, tokens[-1], _sampler(req, index), Utf8Decoder(), StopMatcher(stops)))
+            branch = Branch(index, ctx, tokens[-1], _sampler(req, index), Utf8Decoder(), StopMatcher(stops))
+            if grammar is not None:
+                branch.matcher = _g.Matcher(grammar)
+            branches.append(branch)
     send(json.dumps({"prompt_tokens": prompt_lengths}))
 
     live = list(branches)
@@ -113,6 +123,8 @@ def main(args: list[str]) -> None:
             token = int(out.token)
             b.pending = token
             b.num_tokens += 1
+            if b.matcher is not None and not b.matcher.accept(token):
+                raise InferletError(f"the grammar refused token {token}, which its own mask allowed")
             entry = [token, float(out.logprob), list(out.topk_ids), list(out.topk_logprobs)] if want_logprobs else None
             if token in stop_tokens:
                 deltas.append([b.index, b.stop.flush(b.decoder.flush()), entry])

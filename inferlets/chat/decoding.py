@@ -83,3 +83,4 @@ class Branch:
     stop: StopMatcher
     num_tokens: int = 0
     finish_reason: str | None = field(default=None)
+    matcher: object = field(default=None)  # a grammar matcher constraining every step, or None

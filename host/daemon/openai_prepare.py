@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from jsonschema import Draft202012Validator
@@ -46,6 +46,7 @@ class Job:
     top_logprobs: int
     stream: bool
     include_usage: bool
+    tool_call: str = ""  # "" (text), "forced" (the output is one call) or "auto" (text, calls in markers)
 
 
 def check_model(requested: str, served: str) -> None:
@@ -60,7 +61,12 @@ def check_model(requested: str, served: str) -> None:
 def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokenizer, grammars: GrammarSource) -> Job:
     _check_unsupported_sampling(req.frequency_penalty, req.presence_penalty, req.logit_bias)
     grammar = _check_response_format(req)
-    _check_tools(req)
+    tools_grammar, tool_call = _check_tools(req)
+    if grammar is not None and tools_grammar is not None:
+        raise InvalidRequest(
+            "response_format and tools cannot both constrain the output; use one", param="response_format"
+        )
+    grammar = grammar or tools_grammar
     if grammar is not None:
         _compile(grammars, grammar)
     if (
@@ -84,7 +90,7 @@ def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokeni
     job = _job(req, [{"messages": messages}], num_tokens, max_tokens, bool(req.logprobs), top)
     if grammar is not None:
         job.args["grammar"] = grammar
-    return job
+    return replace(job, tool_call=tool_call) if tool_call else job
 
 
 def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Tokenizer, grammars: GrammarSource) -> Job:
@@ -209,16 +215,6 @@ def _check_schema(schema: dict[str, Any], param: str) -> None:
         ) from None
 
 
-def _not_yet(what: str, param: str) -> InvalidRequest:
-    # The seam for grammar-constrained generation: once the inferlet world exposes grammars, the
-    # chat inferlet gets the schema / tools in its argument and this refusal goes away.
-    return InvalidRequest(
-        f"{what} is not supported yet: grammar-constrained generation is not available to inferlets",
-        param=param,
-        code="unsupported_parameter",
-    )
-
-
 def _check_response_format(req: ChatCompletionRequest) -> dict[str, Any] | None:
     """The grammar the response must follow (for the chat inferlet), or None for text."""
     fmt = req.response_format
@@ -245,14 +241,14 @@ def _compile(grammars: GrammarSource, grammar: dict[str, Any]) -> None:
     try:
         grammars().compile(grammar["kind"].replace("-", "_"), grammar["text"], grammar["options"])
     except HostError as exc:
-        raise InvalidRequest(
-            f"the JSON schema cannot be enforced: {exc}", param="response_format", code="invalid_schema"
-        ) from None
+        param = "tools" if grammar["kind"] == "tool-call" else "response_format"
+        raise InvalidRequest(f"the JSON schema cannot be enforced: {exc}", param=param, code="invalid_schema") from None
 
 
-def _check_tools(req: ChatCompletionRequest) -> None:
+def _check_tools(req: ChatCompletionRequest) -> tuple[dict[str, Any] | None, str]:
+    """The tool-call grammar and mode ("forced" or "auto"), or (None, "") for plain text."""
     if not req.tools:
-        return
+        return None, ""
     names = set()
     for i, tool in enumerate(req.tools):
         if tool.function.name in names:
@@ -266,5 +262,14 @@ def _check_tools(req: ChatCompletionRequest) -> None:
             f"tool_choice names function {choice.function.name!r}, which is not in tools",
             param="tool_choice",
         )
-    if choice != "none":
-        raise _not_yet("tool calling", "tools")
+    if choice == "none":
+        return None, ""
+    tools = [t.model_dump(exclude_none=True, by_alias=True) for t in req.tools]
+    if isinstance(choice, NamedToolChoice):
+        mode, grammar_choice = "forced", choice.function.name
+    elif choice == "required":
+        mode, grammar_choice = "forced", "required"
+    else:  # "auto", the default when tools are given
+        mode, grammar_choice = "auto", "auto"
+    options = {"choice": grammar_choice, "strict": True}
+    return {"kind": "tool-call", "text": json.dumps(tools), "options": options}, mode

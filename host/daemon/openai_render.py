@@ -6,6 +6,7 @@ Pure: it sees parsed inferlet messages and a tokenizer, never a run or a socket.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,9 @@ from host.services import Tokenizer
 from host.tokenizer import BytesTokenizer
 
 LogprobEntry = list[Any]  # [token, logprob, top_ids, top_logprobs] as the chat inferlet sends it
+# The markers around calls in "auto" mode: host.grammar.tool_call's defaults (not imported here:
+# that module loads xgrammar; a test checks they agree).
+CALL_BEGIN, CALL_END = "<tool_call>", "</tool_call>"
 
 
 @dataclass(slots=True)
@@ -77,15 +81,16 @@ class Renderer:
 
     def response(self) -> dict[str, Any]:
         if self.kind == "chat":
-            choices = [
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.text, "refusal": None},
-                    "logprobs": self._chat_logprobs(c.entries) if self.job.logprobs else None,
-                    "finish_reason": c.finish_reason or "length",
-                }
-                for c in self.choices
-            ]
+            choices = []
+            for c in self.choices:
+                message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+                finish = c.finish_reason or "length"
+                parsed = self.tool_calls(c)
+                if parsed is not None:
+                    message["content"], message["tool_calls"] = parsed
+                    finish = "tool_calls"
+                logprobs = self._chat_logprobs(c.entries) if self.job.logprobs else None
+                choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish})
             obj = "chat.completion"
         else:
             choices = [
@@ -142,6 +147,8 @@ class Renderer:
         ]
 
     def update_chunks(self, updates: list[tuple[int, str, list[LogprobEntry], str | None]]) -> list[dict[str, Any]]:
+        if self.kind == "chat" and self.job.tool_call:
+            return self._tool_chunks(updates)
         chunks = []
         for index, text, entries, finish in updates:
             if text or entries:
@@ -167,6 +174,56 @@ class Renderer:
                 else:
                     done = {"index": index, "text": "", "logprobs": None, "finish_reason": finish}
                 chunks.append(self._chunk([done]))
+        return chunks
+
+    # ------------------------------------------------------------------ tool calls
+
+    def tool_calls(self, c: Choice) -> tuple[str | None, list[dict[str, Any]]] | None:
+        """(content, tool_calls) of a finished tool-call choice, or None when it holds no
+        complete call (plain text in "auto" mode, or a call cut by max_tokens)."""
+        if not self.job.tool_call or c.finish_reason != "stop":
+            return None
+        raw_calls: list[str] = []
+        content: str | None = None
+        if self.job.tool_call == "forced":
+            raw_calls.append(c.text)
+        else:
+            parts, rest = [], c.text
+            while CALL_BEGIN in rest:
+                before, _, after = rest.partition(CALL_BEGIN)
+                inner, found, rest = after.partition(CALL_END)
+                if not found:
+                    return None
+                parts.append(before)
+                raw_calls.append(inner)
+            content = ("".join(parts) + rest).strip() or None
+        calls = []
+        for i, raw in enumerate(raw_calls):
+            try:
+                call = json.loads(raw)
+            except ValueError:
+                return None
+            function = {"name": call["name"], "arguments": json.dumps(call["arguments"], separators=(",", ":"))}
+            calls.append({"id": f"call_{self.id[-16:]}_{c.index}_{i}", "type": "function", "function": function})
+        return (content, calls) if calls else None
+
+    def _tool_chunks(self, updates: list[tuple[int, str, list[LogprobEntry], str | None]]) -> list[dict[str, Any]]:
+        """A tool-call choice streams nothing until it finishes (its text is JSON being built);
+        then one chunk carries the calls whole (or the text, if it made none)."""
+        chunks = []
+        for index, _text, _entries, finish in updates:
+            if finish is None:
+                continue
+            choice = self.choices[index]
+            parsed = self.tool_calls(choice)
+            if parsed is None:
+                delta: dict[str, Any] = {"content": choice.text}
+            else:
+                content, calls = parsed
+                delta = {"content": content, "tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+                finish = "tool_calls"
+            chunks.append(self._chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]))
+            chunks.append(self._chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}]))
         return chunks
 
     def usage_chunk(self) -> dict[str, Any]:

@@ -73,7 +73,6 @@ BAD_CHAT: list[tuple[dict[str, Any], str | None]] = [
     ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "auto"}, None),  # tool_choice without tools
     ({"tools": [TOOL, TOOL]}, "tools[1].function.name"),
-    ({"tools": [TOOL], "tool_choice": "required"}, "tools"),  # valid, not supported yet
     ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, None),
 ]
 
@@ -119,13 +118,6 @@ def test_completion_400(server: Server, override: dict[str, Any], param: str | N
         response = http.post("/v1/completions", json=body)
     assert response.status_code == 400, response.text
     _check_envelope(response.json(), 400, param)
-
-
-def test_not_supported_yet_says_so(server: Server) -> None:
-    body = {**OK_CHAT, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
-    with server.http() as http:
-        error = http.post("/v1/chat/completions", json=body).json()["error"]
-    assert "not supported yet" in error["message"] and error["code"] == "unsupported_parameter"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,96 @@
+"""The daemon on the torch driver with SmolLM2 (the embedded default model), driven by the real
+openai client: a real answer, streaming equal to non-streaming, and grammar-constrained JSON and
+tool calls from a real model."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+import uvicorn
+
+from host.daemon.app import create_app
+from host.daemon.config import load_config
+from host.daemon.daemon import Daemon
+from host.sandbox.config import default_cache_dir
+from tests.host.daemon.conftest import _free_port
+
+MODEL = "SmolLM2-135M-Instruct"
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    config = load_config(
+        {
+            "host": "127.0.0.1",
+            "port": _free_port(),
+            "driver": "torch",
+            "driver_args": ["--threads", "1", "--dtype", "float32"],
+            "cache_dir": str(default_cache_dir()),
+            "data_dir": str(tmp_path_factory.mktemp("daemon-smollm2")),
+            "log_level": "warning",
+        },
+        environ={},
+    )
+    daemon = Daemon(config)
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(config, daemon), host=config.host, port=config.port, log_config=None)
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    with openai.OpenAI(api_key="none", base_url=f"{config.url}/v1", max_retries=0, timeout=300.0) as c:
+        deadline = time.monotonic() + 300
+        while True:  # the first requests wait while SmolLM2 loads
+            try:
+                c.models.list()
+                break
+            except openai.APIError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        yield c
+    server.should_exit = True
+    thread.join(timeout=60)
+
+
+def ask(client: openai.OpenAI, content: str, **kw: Any) -> Any:
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], temperature=0, **kw
+    )
+
+
+def test_answers_and_streams_the_same(client: openai.OpenAI) -> None:
+    resp = ask(client, "What is the capital of France?", max_tokens=20)
+    assert "Paris" in (resp.choices[0].message.content or "")
+    stream = ask(client, "What is the capital of France?", max_tokens=20, stream=True)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert streamed == resp.choices[0].message.content
+
+
+def test_json_schema_from_a_real_model(client: openai.OpenAI) -> None:
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    resp = ask(client, "Invent a person and give their name and age as JSON.", response_format=fmt, max_tokens=60)
+    assert resp.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(resp.choices[0].message.content or ""), PERSON)
+
+
+def test_a_forced_tool_call_from_a_real_model(client: openai.OpenAI) -> None:
+    tools: Any = [{"type": "function", "function": {"name": "register", "parameters": PERSON}}]
+    choice: Any = {"type": "function", "function": {"name": "register"}}
+    resp = ask(client, "Register Alice, who is 30.", tools=tools, tool_choice=choice, max_tokens=60)
+    (call,) = resp.choices[0].message.tool_calls or []
+    assert resp.choices[0].finish_reason == "tool_calls" and call.function.name == "register"
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, PERSON)

@@ -66,3 +66,41 @@ def test_json_object_content_is_an_object(server: Server) -> None:
         assert content.startswith("{"), content
         if choice.finish_reason == "stop":
             assert isinstance(json.loads(content), dict)
+
+
+def test_40_concurrent_requests_mixing_constrained_and_plain(server: Server) -> None:
+    """Each constrained request has its own schema (its own property name): an output that
+    validates against its own schema shows no grammar state crossed between requests."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = server.client()
+
+    def schema_for(i: int) -> dict[str, object]:
+        name = f"k{i}"
+        props = {name: {"type": "integer", "minimum": 0, "maximum": 99}}
+        return {"type": "object", "properties": props, "required": [name], "additionalProperties": False}
+
+    def one(i: int) -> tuple[int, str, str | None]:
+        kwargs: dict[str, object] = {}
+        if i % 2 == 0:
+            fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema_for(i), "strict": True}}
+            kwargs["response_format"] = fmt
+        resp = client.chat.completions.create(
+            model="dummy",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=40,
+            seed=i,
+            **kwargs,  # type: ignore[arg-type]
+        )
+        choice = resp.choices[0]
+        return i, choice.message.content or "", choice.finish_reason
+
+    with ThreadPoolExecutor(max_workers=40) as pool:
+        results = list(pool.map(one, range(40)))
+    assert len(results) == 40
+    for i, content, finish in results:
+        if i % 2 == 0:
+            assert finish == "stop", (i, content)
+            jsonschema.validate(json.loads(content), schema_for(i))
+        else:
+            assert finish in ("stop", "length")

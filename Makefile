@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(PY) bench/host_overhead.py
 	$(PY) bench/speculation.py
 	$(PY) bench/grammar.py
+	$(PY) bench/serve.py
 
 bench-decode: $(STAMP)  # SmolLM2 on the torch driver vs transformers (several minutes)
 	$(PY) bench/decode.py

@@ -1,0 +1,189 @@
+"""The daemon over HTTP against the same work in-process: N concurrent streaming chat requests
+(the real openai client, SSE) next to N runs of the same chat inferlet started directly in the
+sandbox; throughput, time to first token and inter-token latency (p50, p99). Dummy driver with a
+simulated pass latency by default; --smollm2 for the real model.
+
+    python bench/serve.py [--streams 32] [--tokens 64] [--latency-ms 5] [--smollm2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+
+from host.build import build
+from host.engine import Engine
+from host.sandbox.config import SandboxConfig, default_cache_dir
+from host.sandbox.run_io import BufferedRunIO
+from host.sandbox.sandbox import Sandbox
+
+QUESTION = "Tell me a story about a lighthouse keeper."
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def summarize(starts: list[float], stamps: list[list[float]], wall_s: float) -> dict[str, float]:
+    ttft = [s[0] - t0 for t0, s in zip(starts, stamps, strict=True) if s]
+    itl = [b - a for s in stamps for a, b in itertools.pairwise(s)]
+    tokens = sum(len(s) for s in stamps)
+    return {
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall_s,
+        "ttft_p50_ms": pct(ttft, 0.5) * 1e3,
+        "ttft_p99_ms": pct(ttft, 0.99) * 1e3,
+        "itl_p50_ms": pct(itl, 0.5) * 1e3,
+        "itl_p99_ms": pct(itl, 0.99) * 1e3,
+    }
+
+
+class TimedIO(BufferedRunIO):
+    """Records when each generated piece arrives (the chat inferlet sends one message a step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stamps: list[float] = []
+
+    def send(self, message: str) -> None:
+        now = time.perf_counter()
+        super().send(message)
+        body = json.loads(message)
+        for _ in body.get("deltas", ()):
+            self.stamps.append(now)
+
+
+def in_process(driver: str, driver_args: list[str], streams: int, tokens: int, model: str) -> dict[str, float]:
+    wasm = build("chat", default_cache_dir()).wasm_path
+    request = {
+        "prompts": [{"messages": [["user", QUESTION]]}],
+        "n": 1,
+        "max_tokens": tokens,
+        "stop": [],
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "logprobs": False,
+        "top_logprobs": 0,
+    }
+    with (
+        Sandbox(SandboxConfig(cache_dir=default_cache_dir())) as sandbox,
+        Engine.start(driver, driver_args, speculation_depth=1, startup_timeout_s=600) as engine,
+    ):
+        component = sandbox.load(wasm)
+        ios = [TimedIO() for _ in range(streams)]
+        starts, handles = [], []
+        t0 = time.perf_counter()
+        for i, io in enumerate(ios):
+            starts.append(time.perf_counter())
+            handles.append(sandbox.start(component, engine, [json.dumps({**request, "seed": i})], io=io))
+        for h in handles:
+            assert h.wait().is_ok
+        return summarize(starts, [io.stamps for io in ios], time.perf_counter() - t0)
+
+
+def over_http(driver: str, driver_args: list[str], streams: int, tokens: int, model: str) -> dict[str, float]:
+    """The daemon in its own process (as deployed), so the client threads here do not share its GIL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "host.daemon", "--port", str(port), "--driver", driver, "--log-level", "warning"]
+    command += [f"--driver-arg={a}" for a in driver_args] + ["--max-concurrent-runs", str(max(64, streams))]
+    with tempfile.TemporaryDirectory() as data_dir:
+        daemon = subprocess.Popen([*command, "--data-dir", data_dir], stdout=subprocess.DEVNULL)
+        try:
+            return _drive(f"http://127.0.0.1:{port}/v1", streams, tokens)
+        finally:
+            daemon.terminate()
+            daemon.wait(timeout=60)
+
+
+def _drive(base_url: str, streams: int, tokens: int) -> dict[str, float]:
+    client = openai.OpenAI(api_key="none", base_url=base_url, max_retries=0, timeout=600.0)
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            served = client.models.list().data[0].id
+            break
+        except (openai.APIError, openai.APIConnectionError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    client.chat.completions.create(model=served, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+    def one(i: int) -> tuple[float, list[float]]:
+        start = time.perf_counter()
+        stamps = []
+        stream = client.chat.completions.create(
+            model=served, messages=[{"role": "user", "content": QUESTION}], max_tokens=tokens, seed=i, stream=True
+        )
+        for chunk in stream:
+            delta = chunk.choices[0].delta if chunk.choices else None
+            # Token chunks only: not the opening role chunk, not the closing finish chunk.
+            if delta is not None and delta.role is None and chunk.choices[0].finish_reason is None:
+                stamps.append(time.perf_counter())
+        return start, stamps
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=streams) as pool:
+        results = list(pool.map(one, range(streams)))
+    wall = time.perf_counter() - t0
+    client.close()
+    return summarize([r[0] for r in results], [r[1] for r in results], wall)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--latency-ms", type=float, default=5.0)
+    parser.add_argument("--smollm2", action="store_true", help="the torch driver with SmolLM2 instead of the dummy")
+    parser.add_argument("--out", default="bench/results/serve.json")
+    args = parser.parse_args()
+    if args.smollm2:
+        driver, driver_args, model = "torch", ["--dtype", "float32"], "SmolLM2"
+    else:
+        driver, driver_args, model = "dummy", ["--pass-latency-ms", str(args.latency_ms)], "dummy"
+    log(f"{args.streams} streams x {args.tokens} tokens on {model}: in-process ...")
+    direct = in_process(driver, driver_args, args.streams, args.tokens, model)
+    log("... and over HTTP ...")
+    http = over_http(driver, driver_args, args.streams, args.tokens, model)
+    print(
+        f"{args.streams} concurrent streams x {args.tokens} tokens, {model}"
+        + ("" if args.smollm2 else f" (pass latency {args.latency_ms} ms)")
+    )
+    print(f"{'':<12} {'tok/s':>8} {'ttft p50':>9} {'ttft p99':>9} {'itl p50':>8} {'itl p99':>8}")
+    for name, r in (("in-process", direct), ("HTTP", http)):
+        print(
+            f"{name:<12} {r['tokens_per_s']:>8.0f} {r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>9.1f} "
+            f"{r['itl_p50_ms']:>8.1f} {r['itl_p99_ms']:>8.1f}"
+        )
+    overhead = 1 - http["tokens_per_s"] / direct["tokens_per_s"]
+    print(f"HTTP throughput overhead: {overhead:.1%}")
+    met = overhead <= 0.10
+    print(f"target: HTTP adds at most 10% at 32 concurrent streams: {'met' if met else 'NOT met'}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record: dict[str, Any] = {"streams": args.streams, "tokens": args.tokens, "model": model,
+                              "in_process": direct, "http": http, "overhead": overhead, "target_met": met}  # fmt: skip
+    out.write_text(json.dumps(record, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

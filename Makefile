@@ -46,8 +46,9 @@ bench: $(STAMP)
 	$(PY) bench/grammar.py
 	$(PY) bench/serve.py
 
-bench-decode: $(STAMP)  # SmolLM2 on the torch driver vs transformers (several minutes)
+bench-decode: $(STAMP)  # SmolLM2: decode vs transformers, prefix reuse and spec_ngram (several minutes)
 	$(PY) bench/decode.py
+	$(PY) bench/prefix_spec.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,39 +1,30 @@
 """The engine: implements `host.services.Services` over the page table, the scheduler and one
-driver link. Run threads call it (blocking); an anyio event loop on a background thread owns the
-bridge client, builds passes and routes results back to the waiting run threads.
+driver link. Run threads call it (blocking); an anyio event loop on a background thread (its
+half in host.pass_loop) owns the bridge client, builds passes and routes results back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import itertools
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import anyio
-import anyio.abc
-import numpy as np
-
-from bridge_schema.batch import build_forward, split_result
 from bridge_schema.config_rules import check_prefix_match_unit
 from bridge_schema.errors import BridgeError, ConfigError, RemoteError
 from bridge_schema.messages import (
     Ack,
     Adapter,
-    Copy,
-    ForwardResult,
     Handshake,
     Health,
     HealthReply,
     Hello,
 )
-from host.driver_link import DriverLink, DriverSpec, open_link
+from host.driver_link import DriverLink, DriverSpec
 from host.errors import (
     ContextNotFound,
     ContextNotOwned,
@@ -43,11 +34,12 @@ from host.errors import (
     InvalidRequest,
     RunEnded,
 )
-from host.pages import PageCopy, PageTable, copy_groups
+from host.pages import PageCopy, PageTable
 from host.pass_check import check_holes_masked, check_request
+from host.pass_loop import PassLoop
 from host.prefix import PrefixReuse
 from host.prefix_cache import PrefixCache
-from host.scheduler import Batch, PassLimits, PendingPass, Scheduler
+from host.scheduler import PassLimits, PendingPass, Scheduler
 from host.services import ModelInfo, PassRequest, PassResult, Tokenizer
 from host.staging import Staging, shape_of
 from host.tokenizer import tokenizer_from_handshake
@@ -57,9 +49,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-# Two passes in flight: the driver works on one while the next is built and sent.
-MAX_PASSES_IN_FLIGHT = 2
 
 
 class Engine:
@@ -93,7 +82,7 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._link: DriverLink | None = None
-        self._thread = threading.Thread(target=self._thread_main, name="wafer-engine", daemon=True)
+        self._thread = threading.Thread(target=PassLoop(self).thread_main, name="wafer-engine", daemon=True)
 
     @classmethod
     def start(
@@ -454,38 +443,7 @@ class Engine:
         except (BridgeError, concurrent.futures.CancelledError) as exc:
             raise DriverFailed(f"{what} failed: the driver link is gone ({exc})") from None
 
-    # ------------------------------------------------------------------ the loop thread
-
-    def _thread_main(self) -> None:
-        try:
-            anyio.run(self._main, backend="asyncio")
-        except BaseException as caught:  # reported to start() or to every waiter
-            exc = _first_host_error(caught)
-            if not self._ready.is_set():
-                self._startup_error = exc
-            else:
-                log.exception("engine loop failed")
-                with self._lock:
-                    self._broken = self._broken or DriverFailed(f"engine loop failed: {exc}")
-        finally:
-            with self._lock:
-                self._is_closing = True
-                error = self._broken or EngineClosed("the engine closed while the pass waited")
-                for future in self._futures.values():
-                    future.set_exception(error)
-                self._futures.clear()
-            self._ready.set()
-
-    async def _main(self) -> None:
-        async with open_link(self._spec) as link:
-            self._on_handshake(link.handshake)
-            self._link = link
-            self._loop = asyncio.get_running_loop()
-            self._wake = asyncio.Event()
-            self._ready.set()
-            async with anyio.create_task_group() as tg:
-                await self._schedule_loop(link, tg)
-                tg.cancel_scope.cancel()
+    # ------------------------------------------------------------------ the driver's handshake
 
     def _on_handshake(self, h: Handshake) -> None:
         if h.page_size <= 0 or h.num_pages <= 0 or h.vocab_size <= 0:
@@ -523,113 +481,3 @@ class Engine:
         )
         self._scheduler = Scheduler(limits, h.page_size)
         self._staging = Staging(self._speculation_depth, self._pages, self._scheduler, lambda: next(self._tickets))
-
-    async def _schedule_loop(self, link: DriverLink, tg: anyio.abc.TaskGroup) -> None:
-        assert self._wake is not None
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            if self._is_closing or self._broken is not None:
-                return
-            while True:
-                with self._lock:
-                    copies, self._pending_copies = self._pending_copies, []
-                    batch = None
-                    if self._num_in_flight < MAX_PASSES_IN_FLIGHT:
-                        t0 = time.perf_counter()
-                        batch = self._scheduler.next_batch()
-                        self._schedule_s += time.perf_counter() - t0
-                        if batch is None and self._num_in_flight == 0:
-                            self._fail_unschedulable()
-                    if batch is not None:
-                        self._num_in_flight += 1
-                if copies:
-                    # Sent before the batch on the same connection: the driver handles frames in order.
-                    for group in copy_groups(copies):
-                        message = Copy(
-                            src_pages=np.array([c.src for c in group], np.uint32),
-                            dst_pages=np.array([c.dst for c in group], np.uint32),
-                        )
-                        try:
-                            tg.start_soon(self._check_copy, await link.submit(message), link)
-                        except BridgeError as exc:
-                            self._link_lost(DriverFailed(f"sending a page copy to the driver failed: {exc}"))
-                            return
-                if batch is None:
-                    break
-                t0 = time.perf_counter()
-                forward = build_forward(0, batch.specs())
-                self._schedule_s += time.perf_counter() - t0
-                self._num_passes += 1
-                try:
-                    await link.submit(forward, functools.partial(self._batch_done, link, batch, forward))
-                except BridgeError as exc:
-                    self._batch_failed(batch, DriverFailed(f"sending a pass to the driver failed: {exc}"), True)
-                    return
-
-    def _fail_unschedulable(self) -> None:
-        """Nothing in flight and nothing fits: fail what waits rather than let it wait forever
-        (request checks make this unreachable; this is the guard against a hang)."""
-        if self._scheduler.has_work():
-            for item in self._scheduler.cancel(lambda p: True):
-                self._fail_item(item, InvalidRequest("the pass does not fit the driver's per-pass limits"))
-
-    async def _check_copy(self, waiter: Any, link: DriverLink) -> None:
-        try:
-            await link.client.wait(waiter, Ack)
-        except BridgeError as exc:
-            # Contexts would read pages that were never copied: nothing after this is trustworthy.
-            log.error("page copy failed: %s", exc)
-            with self._lock:
-                self._broken = self._broken or DriverFailed(f"the driver failed a page copy: {exc}")
-            self._wake_here()
-
-    def _batch_done(self, link: DriverLink, batch: Batch, forward: Any, waiter: Any) -> None:
-        """A pass's reply (or the link's failure) arrived: route it (in the link's reader)."""
-        try:
-            result = link.client.result(waiter, ForwardResult)
-        except RemoteError as exc:
-            if len(batch.chunks) > 1:
-                # Which request is bad is unknown: retry each alone so only that one fails.
-                with self._lock:
-                    self._num_in_flight -= 1
-                    self._scheduler.isolate(batch)
-            else:
-                error = DriverFailed(f"the driver rejected a pass: {exc}", exc.status, exc.code)
-                self._batch_failed(batch, error, False)
-        except BridgeError as exc:
-            self._batch_failed(batch, DriverFailed(f"the driver link failed during a pass: {exc}"), True)
-        else:
-            t0 = time.perf_counter()
-            outputs = split_result(forward, result)
-            with self._lock:
-                self._num_in_flight -= 1
-                self._on_finished(self._scheduler.complete(batch, outputs))
-            self._complete_s += time.perf_counter() - t0
-        self._wake_here()
-
-    def _batch_failed(self, batch: Batch, error: DriverFailed, is_link_lost: bool) -> None:
-        with self._lock:
-            self._num_in_flight -= 1
-            for item in self._scheduler.fail(batch):
-                self._fail_item(item, error)
-        if is_link_lost:
-            self._link_lost(error)
-        self._wake_here()
-
-    def _link_lost(self, error: DriverFailed) -> None:
-        """Every waiting pass fails now; later calls fail with the same error."""
-        with self._lock:
-            self._broken = self._broken or error
-            for item in self._scheduler.cancel(lambda p: True):
-                self._fail_item(item, error)
-
-
-def _first_host_error(exc: BaseException) -> BaseException:
-    """The `HostError` inside anyio's exception groups, if any: the message a caller can act on."""
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = _first_host_error(inner)
-            if isinstance(found, HostError):
-                return found
-    return exc

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from host.sandbox.run_io import Inbox
+
 log = logging.getLogger("wafer.run")
 
-_CLOSED = object()
 # A run that streams without bound must not grow daemon memory without bound: past this, the
 # oldest events are dropped (a follower that falls that far behind is told so).
 MAX_KEPT_EVENTS = 100_000
@@ -40,7 +40,7 @@ class RunLog:
         self._first_seq = 0
         self._is_ended = False
         self._changed = asyncio.Event()
-        self._inbox: queue.Queue[object] = queue.Queue()
+        self._inbox = Inbox()
 
     # ------------------------------------------------------------------ RunIO (run thread)
 
@@ -51,15 +51,7 @@ class RunLog:
         self._append("message", message)
 
     def receive(self, timeout_s: float) -> str | None:
-        try:
-            item = self._inbox.get(timeout=timeout_s)
-        except queue.Empty:
-            raise TimeoutError("no message from the client") from None
-        if item is _CLOSED:
-            self._inbox.put(_CLOSED)  # later receives see the close too
-            return None
-        assert isinstance(item, str)
-        return item
+        return self._inbox.receive(timeout_s)
 
     def log(self, run_id: int, level: str, message: str) -> None:
         log.log(logging.getLevelName(level.upper()), "[run %d] %s", run_id, message)
@@ -67,10 +59,10 @@ class RunLog:
     # ------------------------------------------------------------------ the daemon's side
 
     def push(self, message: str) -> None:
-        self._inbox.put(message)
+        self._inbox.push(message)
 
     def close_inbox(self) -> None:
-        self._inbox.put(_CLOSED)
+        self._inbox.close()
 
     def end(self, data: dict[str, Any]) -> None:
         self._append("end", data)

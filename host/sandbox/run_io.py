@@ -27,6 +27,32 @@ class RunIO(Protocol):
     def log(self, run_id: int, level: str, message: str) -> None: ...
 
 
+class Inbox:
+    """Client messages waiting for the run: `push` and `close` from the client's side, a blocking
+    `receive` on the run's thread."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[object] = queue.Queue()
+
+    def push(self, message: str) -> None:
+        self._queue.put(message)
+
+    def close(self) -> None:
+        self._queue.put(_CLOSED)
+
+    def receive(self, timeout_s: float) -> str | None:
+        """The next message; None once the client closed its side. Raises TimeoutError."""
+        try:
+            item = self._queue.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError("no message from the client") from None
+        if item is _CLOSED:
+            self._queue.put(_CLOSED)  # later receives see the close too
+            return None
+        assert isinstance(item, str)
+        return item
+
+
 class BufferedRunIO:
     """Collects output and sent messages; `on_chunk` sees each output chunk as it arrives."""
 
@@ -35,7 +61,7 @@ class BufferedRunIO:
         self._lock = threading.Lock()
         self._chunks: list[str] = []
         self.sent: list[str] = []
-        self._inbox: queue.Queue[object] = queue.Queue()
+        self._inbox = Inbox()
 
     @property
     def output(self) -> str:
@@ -54,22 +80,14 @@ class BufferedRunIO:
 
     def push(self, message: str) -> None:
         """Deliver a client message to the run."""
-        self._inbox.put(message)
+        self._inbox.push(message)
 
     def close(self) -> None:
         """The client will send nothing more."""
-        self._inbox.put(_CLOSED)
+        self._inbox.close()
 
     def receive(self, timeout_s: float) -> str | None:
-        try:
-            item = self._inbox.get(timeout=timeout_s)
-        except queue.Empty:
-            raise TimeoutError("no message from the client") from None
-        if item is _CLOSED:
-            self._inbox.put(_CLOSED)  # later receives see the close too
-            return None
-        assert isinstance(item, str)
-        return item
+        return self._inbox.receive(timeout_s)
 
     def log(self, run_id: int, level: str, message: str) -> None:
         _log.log(logging.getLevelName(level.upper()), "[run %d] %s", run_id, message)

@@ -9,7 +9,7 @@ import json
 
 from componentize_py_types import Err
 from decoding import Branch, StopMatcher, Utf8Decoder
-from inferlet import InferletError, model_info, render_chat, send, tokenize
+from inferlet import InferenceError, InferletError, execute_together, model_info, render_chat, send, tokenize
 from wit_world.imports import context as _ctx
 from wit_world.imports import grammar as _g
 from wit_world.imports import inference as _inf
@@ -63,23 +63,10 @@ def _step(branches: list[Branch], probe: _inf.Probe, probe_k: int) -> list[_inf.
             fp.use_matcher(0, b.matcher.id())
         passes.append(fp)
     try:
-        for fp in passes:
-            fp.submit()
-        results = []
-        for fp in passes:  # wait for every pass, even after a failure, so none is left running
-            try:
-                results.append(fp.execute())
-            except Err as e:
-                results.append(e)
-    finally:
-        for fp in passes:
-            fp.__exit__(None, None, None)
-    outputs = []
-    for result in results:
-        if isinstance(result, Err):
-            raise InferletError(str(result.value))
-        outputs.append(result[0])
-    return outputs
+        results = execute_together(passes)
+    except InferenceError as e:
+        raise InferletError(str(e)) from None
+    return [outputs[0] for outputs in results]
 
 
 def main(args: list[str]) -> None:

@@ -16,7 +16,7 @@ module, and modules first imported at run time may not exist.
 from inferlet.adapter import Adapter, AdapterError
 from inferlet.arguments import ArgumentParser
 from inferlet.attention import LogitMask, Window
-from inferlet.context import Context, InferenceError, TokenChoice, decode_steps, top_k_all
+from inferlet.context import Context, InferenceError, TokenChoice, decode_steps, execute_together, top_k_all
 from inferlet.errors import InferletError
 from inferlet.grammar import Grammar, GrammarError, Matcher
 from inferlet.model import ChatMessage, ModelInfo, detokenize, model_info, render_chat, tokenize
@@ -47,6 +47,7 @@ __all__ = [
     "decode_steps",
     "detokenize",
     "emit",
+    "execute_together",
     "log",
     "model_info",
     "receive",

@@ -350,15 +350,15 @@ def _grammatical_prefix(matcher: Matcher, draft: list[int]) -> list[int]:
         probe.release()
 
 
-def _run_all(contexts: list[Context], sampler: Sampler, probe: _inf.Probe, k: int) -> list[_inf.Output]:
-    if len({id(c) for c in contexts}) != len(contexts):
-        raise InferenceError("each context may appear only once")
-    passes = [c._pending_pass(sampler, probe, k) for c in contexts]
+def execute_together(passes: list[_inf.ForwardPass]) -> list[list[_inf.Output]]:
+    """Submit configured passes (of different contexts) before waiting on any, so they share
+    device passes; wait for every one even after a failure, so none is left running; release
+    them all; then raise the first failure as `InferenceError`, or return their outputs."""
     try:
         for fp in passes:
             fp.submit()
         results = []
-        for fp in passes:  # wait for every pass, even after a failure, so none is left running
+        for fp in passes:
             try:
                 results.append(fp.execute())
             except Err as e:
@@ -366,13 +366,19 @@ def _run_all(contexts: list[Context], sampler: Sampler, probe: _inf.Probe, k: in
     finally:
         for fp in passes:
             fp.__exit__(None, None, None)
-    outputs = []
-    for ctx, result in zip(contexts, results, strict=True):
+    for result in results:
         if isinstance(result, Err):
             raise InferenceError(str(result.value))
+    return results
+
+
+def _run_all(contexts: list[Context], sampler: Sampler, probe: _inf.Probe, k: int) -> list[_inf.Output]:
+    if len({id(c) for c in contexts}) != len(contexts):
+        raise InferenceError("each context may appear only once")
+    results = execute_together([c._pending_pass(sampler, probe, k) for c in contexts])
+    for ctx in contexts:
         ctx._committed = len(ctx._tokens)
-        outputs.append(result[0])
-    return outputs
+    return [outputs[0] for outputs in results]
 
 
 def decode_steps(contexts: list[Context], sampler: Sampler = GREEDY) -> list[int]:

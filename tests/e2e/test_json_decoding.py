@@ -22,10 +22,6 @@ from host.sandbox import Sandbox
 from host.sandbox.run_io import BufferedRunIO
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "jsonschemas"
-# The corpus schemas rated trivial or easy in its index.tsv (65 of 133): deterministic, and
-# quick enough for one core; harder ones only differ in compile time, which the host's corpus
-# test (tests/host/grammar/test_schema_corpus.py) covers for all 133.
-SAMPLE_COMPLEXITY = ("trivial", "easy")
 SCHEMA_SEEDS = 2
 SCHEMA_MAX_TOKENS = 160
 
@@ -43,11 +39,12 @@ def decode(sandbox: Sandbox, component: Component, engine: Engine, args: list[st
     return outcome.output, json.loads(io.sent[-1])["finish_reason"]
 
 
-def sampled_schemas() -> list[Path]:
+def corpus_schemas() -> list[Path]:
+    """Every schema of the corpus (133), in its index's order."""
     lines = (CORPUS / "index.tsv").read_text().splitlines()
     header = lines[0].split("\t")
     rows = [dict(zip(header, line.split("\t"), strict=True)) for line in lines[1:]]
-    return [CORPUS / "schemas" / r["file"] for r in rows if r["complexity"] in SAMPLE_COMPLEXITY]
+    return [CORPUS / "schemas" / r["file"] for r in rows]
 
 
 def validator(schema: dict[str, Any]) -> jsonschema.protocols.Validator:
@@ -76,11 +73,13 @@ def test_json_object_begins_with_a_brace_and_parses_when_finished(
 def test_corpus_schema_outputs_validate_or_the_schema_is_refused_clearly(
     sandbox: Sandbox, json_decoding: Component, engine: Engine
 ) -> None:
-    """Each sampled schema either is refused with an error naming the problem (a keyword the
-    engine would not enforce), or every finished output validates against it. Measured: 12 of
-    the 65 refused; 72 of the 106 runs of the others finished, all valid."""
+    """Each of the corpus's 133 schemas either is refused with an error naming the problem (a
+    keyword the engine would not enforce, and where), or every finished output validates
+    against it. Measured: 52 refused; 106 of the 162 runs of the other 81 finished, all valid,
+    covering 59 distinct schemas (the rest hit the token cap inside a long string)."""
     num_valid = num_refused = 0
-    for path in sampled_schemas():
+    finished: set[str] = set()
+    for path in corpus_schemas():
         schema = json.loads(path.read_text())
         check = validator(schema)
         for seed in range(SCHEMA_SEEDS):
@@ -89,13 +88,16 @@ def test_corpus_schema_outputs_validate_or_the_schema_is_refused_clearly(
             outcome = sandbox.run(json_decoding, engine, [*args, "--max-tokens", str(SCHEMA_MAX_TOKENS)], io=io)
             if not outcome.is_ok:
                 assert "schema not accepted" in (outcome.error or ""), (path.name, outcome.error)
+                assert " at /" in (outcome.error or ""), (path.name, outcome.error)  # names where
                 num_refused += 1
                 break
             if json.loads(io.sent[-1])["finish_reason"] == "stop":
                 errors = [e.message for e in check.iter_errors(json.loads(outcome.output))]
                 assert not errors, (path.name, seed, outcome.output, errors)
                 num_valid += 1
-    assert num_valid > 0 and num_refused > 0, (num_valid, num_refused)
+                finished.add(path.name)
+    # Deterministic (the seeds fix every draw): most accepted schemas produced a finished output.
+    assert len(finished) >= 50 and num_refused > 0, (num_valid, num_refused, len(finished))
 
 
 def test_a_schema_with_an_unenforced_keyword_is_refused_by_name(

@@ -146,6 +146,8 @@ def _job(
     }
     if req.seed is not None:
         args["seed"] = req.seed
+    if req.ignore_eos:
+        args["ignore_eos"] = True
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return Job(args, len(prompts), n, prompt_tokens, logprobs, top_logprobs, bool(req.stream), include_usage)
 
@@ -222,8 +224,10 @@ def _check_response_format(req: ChatCompletionRequest) -> dict[str, Any] | None:
         schema = fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {}
         _check_schema(schema, "response_format.json_schema.schema")
         # Always strict on our side: undeclared properties are refused (OpenAI's strict mode),
-        # and non-strict grammars of large schemas take many seconds to compile.
-        return {"kind": "json-schema", "text": json.dumps(schema), "options": {"strict": True}}
+        # and non-strict grammars of large schemas take many seconds to compile. A keyword the
+        # engine would not enforce is a 400 naming it: "stop" must mean the content validates.
+        options = {"strict": True, "reject_unsupported": True}
+        return {"kind": "json-schema", "text": json.dumps(schema), "options": options}
     if isinstance(fmt, JsonObjectFormat):
         if not any("json" in _message_text(m).lower() for m in req.messages):
             # The OpenAI API insists on this, so that the model is told to write JSON.
@@ -271,5 +275,5 @@ def _check_tools(req: ChatCompletionRequest) -> tuple[dict[str, Any] | None, str
         mode, grammar_choice = "forced", "required"
     else:  # "auto", the default when tools are given
         mode, grammar_choice = "auto", "auto"
-    options = {"choice": grammar_choice, "strict": True}
+    options = {"choice": grammar_choice, "strict": True, "reject_unsupported": True}
     return {"kind": "tool-call", "text": json.dumps(tools), "options": options}, mode

@@ -60,6 +60,9 @@ class RequestSpec:
     outputs: Sequence[OutputSpec] = ()
     adapter_id: int = -1
     mask_rows: Sequence[Sequence[int]] | None = None  # BRLE runs per input row, None = causal
+    # True: the first token is the one the driver last sampled for this context (`tokens[0]` is
+    # sent as 0; see `Forward`); needs the driver's "deferred_tokens" capability.
+    deferred: bool = False
 
 
 _NO_IDS: npt.NDArray[np.uint32] = np.zeros(0, np.uint32)
@@ -146,6 +149,7 @@ def build_forward(request_id: int, requests: Sequence[RequestSpec]) -> Forward:
         mask_runs=_cat(mask_rows, np.uint32),
         out_indptr=_indptr(n_outputs),
         logit_masks=_cat(masks, np.uint32),
+        deferred=np.array([i for i, r in enumerate(requests) if r.deferred], dtype=np.uint32),
         **per_output,
     )
 

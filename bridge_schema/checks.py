@@ -105,8 +105,22 @@ def check_forward(f: Forward, limits: Limits | None) -> None:
     elif f.mask_row_indptr[0] != 0 or len(f.mask_runs):
         _counts("mask_row_indptr", f.mask_row_indptr, 0, len(f.mask_runs))
     _check_outputs(f, n_tokens, n_out)
+    if len(f.deferred):
+        _check_deferred(f, n_tokens)
     if limits is not None:
         _check_limits(f, limits, n_tokens, n_pages, n_rows)
+
+
+def _check_deferred(f: Forward, n_tokens: npt.NDArray[np.int64]) -> None:
+    d = f.deferred
+    if len(d) > 1 and (d[1:] <= d[:-1]).any():
+        raise ShapeError("request indices must be strictly increasing", "deferred")
+    if int(d[-1]) >= len(n_tokens):
+        raise RangeError(f"request index {int(d[-1])} >= {len(n_tokens)} requests", "deferred")
+    if (n_tokens[d] == 0).any():
+        raise ShapeError("a deferred request has no token to replace", "deferred")
+    if f.tokens[f.token_indptr[d]].any():
+        raise RangeError("a deferred request's first token is sent as 0", "tokens")
 
 
 def _check_outputs(f: Forward, n_tokens: npt.NDArray[np.int64], n_out: npt.NDArray[np.int64]) -> None:

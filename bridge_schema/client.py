@@ -66,7 +66,10 @@ class Client:
                 yield client
             finally:
                 tg.cancel_scope.cancel()
-                await conn.aclose()
+                # Shielded: a cancellation raised here would replace (and so swallow) whatever
+                # exception the body is propagating.
+                with anyio.CancelScope(shield=True):
+                    await conn.aclose()
                 client._fail_all(ConnectionClosed("client closed"))
 
     async def hello(self, hello: Hello) -> Handshake:

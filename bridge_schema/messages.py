@@ -98,6 +98,11 @@ class Handshake(Message):
 # ---------------------------------------------------------------- forward
 
 
+# Handshake capability: the driver fills in `Forward.deferred` tokens (every driver served by
+# `drivers.serve` has it).
+DEFERRED_TOKENS = "deferred_tokens"
+
+
 @dataclass(slots=True)
 class Forward(Message):
     """A batch of forward passes in CSR form (R requests, T tokens, O output rows).
@@ -106,6 +111,12 @@ class Forward(Message):
     and KV pages pages[page_indptr[r]:page_indptr[r+1]], whose last page holds last_page_len[r]
     slots. Its keys are kv_len = (num_pages_r - 1) * page_size + last_page_len[r]; the request's
     new tokens fill the last T_r of those slots, in order.
+
+    Deferred tokens (capability "deferred_tokens"): for each request index in `deferred`, the
+    driver replaces the request's first token (sent as 0) with the token it last sampled for the
+    same context id, in an earlier Forward (the last output row of that context's latest request
+    that had one). This lets the host send a context's next decode step before the reply that
+    carries its input token has come back, so the device never waits for the host.
     """
 
     TAG: ClassVar[str] = "forward"
@@ -137,6 +148,7 @@ class Forward(Message):
     probe_k: U32 = array_field("<u4")  # [O] top-k size for LOGPROBS
     logit_mask_index: I32 = array_field("<i4")  # [O] -1 = unconstrained, else a row of logit_masks
     logit_masks: U32 = array_field("<u4")  # [K * ceil(V/32)], bit j of word i = token 32i+j
+    deferred: U32 = array_field("<u4")  # [D] strictly increasing request indices (see above)
 
     @property
     def num_requests(self) -> int:

@@ -10,7 +10,7 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 
@@ -24,6 +24,7 @@ from bridge_schema.messages import (
     Copy,
     ErrorReply,
     Forward,
+    ForwardResult,
     Handshake,
     Health,
     HealthReply,
@@ -33,6 +34,7 @@ from bridge_schema.messages import (
     Status,
 )
 from bridge_schema.transport import Connection, listen, parse_address, run
+from drivers.deferred import DeferredTokens
 from drivers.errors import DriverError
 from drivers.protocol import Driver
 
@@ -43,6 +45,7 @@ log = logging.getLogger("drivers.serve")
 class _ServeState:
     shutdown: anyio.Event
     limits: Limits | None = None
+    deferred: DeferredTokens = field(default_factory=DeferredTokens)
 
 
 def _error(request_id: int, status: Status, code: str, field: str, message: str) -> ErrorReply:
@@ -57,17 +60,25 @@ def handle(driver: Driver, state: _ServeState, message: Message) -> Message:
             reply: Message = driver.handshake(message)
             assert isinstance(reply, Handshake)
             state.limits = Limits.from_handshake(reply)
+            state.deferred = DeferredTokens()
         elif message.IS_REPLY:
             return _error(rid, Status.BAD_REQUEST, "schema", "t", f"{message.TAG!r} is a reply, not a request")
         elif isinstance(message, Health):
-            reply = HealthReply(state="ok" if state.limits else "awaiting_hello", stats=driver.health())
+            stats = {**driver.health(), "deferred_tokens_filled": state.deferred.num_filled}
+            reply = HealthReply(state="ok" if state.limits else "awaiting_hello", stats=stats)
         elif isinstance(message, Shutdown):
-            state.shutdown.set()
-            reply = Ack()
+            reply = Ack()  # the serve loop stops once this reply is sent
         elif state.limits is None:
             return _error(rid, Status.NOT_READY, "not_ready", "t", f"send 'hello' before {message.TAG!r}")
         elif isinstance(message, Forward):
-            reply = driver.forward(message)
+            try:
+                forward = state.deferred.resolve(message)
+                reply = driver.forward(forward)
+            except BaseException:
+                state.deferred.forget(message)
+                raise
+            assert isinstance(reply, ForwardResult)
+            state.deferred.record(forward, reply)
         elif isinstance(message, Copy):
             driver.copy(message)
             reply = Ack()
@@ -97,10 +108,16 @@ async def serve_connection(driver: Driver, conn: Connection, state: _ServeState)
         try:
             message = decode(payload, state.limits)
         except SchemaError as exc:
+            # Perhaps a pass whose contexts deferred requests would continue from: forget them all.
+            state.deferred = DeferredTokens()
             status = Status.OUT_OF_RANGE if isinstance(exc, RangeError) else Status.BAD_REQUEST
             reply: Message = _error(peek_id(payload), status, exc.code, exc.field, str(exc))
         else:
             reply = handle(driver, state, message)
+            if isinstance(message, Shutdown):
+                await _try_send(conn, reply)
+                state.shutdown.set()
+                break
         if not await _try_send(conn, reply):
             break
     await conn.aclose()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from bridge_schema.config_rules import check_prefix_match_unit
 from bridge_schema.errors import BridgeError, ConfigError, RemoteError
 from bridge_schema.messages import (
+    DEFERRED_TOKENS,
     Ack,
     Adapter,
     Handshake,
@@ -39,8 +40,9 @@ from host.pass_check import check_holes_masked, check_request
 from host.pass_loop import PassLoop
 from host.prefix import PrefixReuse
 from host.prefix_cache import PrefixCache
-from host.scheduler import PassLimits, PendingPass, Scheduler
+from host.scheduler import Batch, PassLimits, PendingPass, Scheduler
 from host.services import ModelInfo, PassRequest, PassResult, Tokenizer
+from host.speculator import RequestShape
 from host.staging import Staging, shape_of
 from host.tokenizer import tokenizer_from_handshake
 
@@ -247,6 +249,7 @@ class Engine:
                     self._wake_loop()
                     return staged.result
                 staged.waiter = future
+                self._staging.after_served(staged)  # with deferred tokens, the next step goes now
             else:
                 if self._prefix is not None:
                     self._prefix.record(
@@ -351,9 +354,27 @@ class Engine:
         request to the staged chain (`host.staging`)."""
         self._scheduler.submit(item)
 
+    def _on_dispatched(self, batch: Batch) -> None:
+        """A pass is about to be sent (lock held): with deferred tokens, each decode step in it
+        that finishes its request has its next step staged now, to follow it at the driver."""
+        if not self._staging.is_enabled:
+            return
+        for chunk in batch.chunks:
+            if chunk.is_last and not chunk.item.is_cancelled:
+                self._staging.on_dispatched(chunk.item, self._decode_shape(chunk.item))
+
+    def _decode_shape(self, item: PendingPass) -> RequestShape | None:
+        """The speculation features of a cold pass that samples, else None."""
+        if not item.outputs or not self._pages.has(item.context_id):
+            return None
+        return shape_of(
+            item.tokens, item.positions, item.outputs, item.adapter_id, item.mask_rows is not None, item.has_grammar
+        )
+
     def _on_finished(self, finished: list[PendingPass]) -> None:
         """Passes whose results just came back (lock held): staged ones go to `host.staging`;
-        cold ones to their waiters, and each plain decode's next step is pre-fired."""
+        cold ones to their waiters, and each plain decode's next step is pre-fired (or, staged
+        already while it was in flight, gets its input token)."""
         for item in finished:
             if self._prefix is not None:
                 self._prefix.register_completed(item.context_id, item.kv_start + len(item.tokens))
@@ -362,16 +383,10 @@ class Engine:
             future = self._futures.pop(item.ticket, None)
             if future is not None:
                 future.set_result(PassResult(outputs=item.results))
-            if self._staging.is_enabled and item.results and self._pages.has(item.context_id):
-                shape = shape_of(
-                    item.tokens,
-                    item.positions,
-                    item.outputs,
-                    item.adapter_id,
-                    item.mask_rows is not None,
-                    item.has_grammar,
-                )
-                self._staging.stage_after(item.run_id, item.context_id, shape, item.results[-1].token)
+            if self._staging.is_enabled and item.results and not self._staging.on_cold_finished(item):
+                shape = self._decode_shape(item)  # staged when it returns, not when it was sent
+                if shape is not None:
+                    self._staging.stage_after(item.run_id, item.context_id, shape, item.results[-1].token)
 
     # ------------------------------------------------------------------ run-thread helpers
 
@@ -409,6 +424,7 @@ class Engine:
     def _fail_item(self, item: PendingPass, error: HostError) -> None:
         """Fail the waiter and give back the slots the pass had reserved (lock held)."""
         if not self._staging.on_failed(item, error):
+            self._staging.on_cold_failed(item)
             future = self._futures.pop(item.ticket, None)
             if future is not None:
                 future.set_exception(error)
@@ -480,4 +496,10 @@ class Engine:
             max_fill_chunk_tokens=self._max_fill_chunk_tokens,
         )
         self._scheduler = Scheduler(limits, h.page_size)
-        self._staging = Staging(self._speculation_depth, self._pages, self._scheduler, lambda: next(self._tickets))
+        self._staging = Staging(
+            self._speculation_depth,
+            self._pages,
+            self._scheduler,
+            lambda: next(self._tickets),
+            deferred_tokens=DEFERRED_TOKENS in h.capabilities,
+        )

@@ -89,6 +89,7 @@ class PassLoop:
                             self.fail_unschedulable()
                     if batch is not None:
                         e._num_in_flight += 1
+                        e._on_dispatched(batch)
                 if copies:
                     # Sent before the batch on the same connection: the driver handles frames in order.
                     for group in copy_groups(copies):

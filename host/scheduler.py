@@ -7,6 +7,7 @@ chunks of one context in order; a context with a chunk in flight waits until it 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -65,7 +66,11 @@ class PendingPass:
     adapter_id: int = -1
     mask_rows: Sequence[Sequence[int]] | None = None
     has_grammar: bool = False
+    # Its first token is what the context's previous pass samples (`Forward.deferred`): it may
+    # go to the driver while that pass is still in flight.
+    deferred: bool = False
     num_done: int = 0  # tokens whose chunks have returned
+    is_sent: bool = False  # its last chunk is in flight
     results: list[OutputResult] = field(default_factory=list)
     is_cancelled: bool = False
     is_isolated: bool = False  # its batch was refused: retry it alone to find the culprit
@@ -121,7 +126,7 @@ class Scheduler:
         self.page_size = page_size
         self._queue: dict[int, PendingPass] = {}  # by ticket; insertion order is arrival order
         self._in_flight: dict[int, Batch] = {}
-        self._busy_contexts: set[int] = set()
+        self._busy_contexts: Counter[int] = Counter()  # context -> chunks in flight
         self._next_batch_id = 1
 
     # ------------------------------------------------------------------ queue
@@ -163,10 +168,12 @@ class Scheduler:
         heads: list[PendingPass] = []
         seen: set[int] = set()
         for item in self._queue.values():
-            if item.context_id in seen:
+            if item.context_id in seen or item.is_sent:
                 continue
             seen.add(item.context_id)
-            if item.context_id not in self._busy_contexts:
+            # A busy context's next pass waits for the reply, unless it is deferred: the driver
+            # runs passes in order and fills its first token in from the one in flight.
+            if item.context_id not in self._busy_contexts or item.deferred:
                 heads.append(item)
         if not heads:
             return None
@@ -213,6 +220,8 @@ class Scheduler:
         self._next_batch_id += 1
         self._in_flight[batch.batch_id] = batch
         self._busy_contexts.update(c.item.context_id for c in batch.chunks)
+        for chunk in batch.chunks:
+            chunk.item.is_sent = chunk.is_last
         return batch
 
     def complete(self, batch: Batch, outputs: Sequence[Sequence[OutputResult]]) -> list[PendingPass]:
@@ -239,6 +248,7 @@ class Scheduler:
         self._retire(batch)
         for chunk in batch.chunks:
             chunk.item.is_isolated = True
+            chunk.item.is_sent = False
 
     def fail(self, batch: Batch) -> list[PendingPass]:
         """A batch that did not return: each of its passes is dropped (also their later chunks).
@@ -258,8 +268,8 @@ class Scheduler:
 
     def _retire(self, batch: Batch) -> None:
         assert self._in_flight.pop(batch.batch_id, None) is batch, f"batch {batch.batch_id} is not in flight"
-        for chunk in batch.chunks:
-            self._busy_contexts.discard(chunk.item.context_id)
+        self._busy_contexts.subtract(c.item.context_id for c in batch.chunks)
+        self._busy_contexts += Counter()  # drops the contexts with nothing left in flight
 
     def _logit_words(self, chunk: Chunk) -> int:
         if not self.limits.vocab_size:
@@ -314,6 +324,7 @@ class Scheduler:
             outputs=outputs,
             adapter_id=item.adapter_id,
             mask_rows=mask_rows,
+            deferred=item.deferred and start == 0,
         )
         return Chunk(item, start, stop, spec)
 

@@ -64,10 +64,13 @@ def evaluate_request_shape(shape: RequestShape) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class StagedEntry:
-    """A pre-fired single-token decode: `anchor` at `position`, sampled with `sampler`."""
+    """A pre-fired single-token decode: `anchor` at `position`, sampled with `sampler`.
+
+    `anchor` is None while the pass it follows is still in flight (the driver fills the token in
+    itself, see `Forward.deferred`); an unresolved entry matches no request."""
 
     context_id: int
-    anchor: int
+    anchor: int | None
     position: int
     sampler: Sampler
     adapter_id: int
@@ -93,7 +96,7 @@ def entry_matches_request(entry: StagedEntry, shape: RequestShape) -> str | None
     return None
 
 
-def next_entry(context_id: int, shape: RequestShape, sampled_token: int) -> StagedEntry:
+def next_entry(context_id: int, shape: RequestShape, sampled_token: int | None) -> StagedEntry:
     """The decode step that follows `shape` once it sampled `sampled_token`."""
     return StagedEntry(
         context_id=context_id,
@@ -114,9 +117,10 @@ class Speculator:
     misses: Counter[str] = field(default_factory=Counter)
     skips: Counter[str] = field(default_factory=Counter)
 
-    def stage_after(self, context_id: int, shape: RequestShape, sampled_token: int) -> StagedEntry | None:
-        """Producer: after `shape` (served cold or staged) returned `sampled_token`, the entry to
-        pre-fire, or None (speculation off, chain full, or the request's shape forbids it)."""
+    def stage_after(self, context_id: int, shape: RequestShape, sampled_token: int | None) -> StagedEntry | None:
+        """Producer: after `shape` (served cold or staged) sampled `sampled_token` (None: not
+        back yet), the entry to pre-fire, or None (speculation off, the context's chain already
+        continues past this request, or the request's shape forbids it)."""
         if self.depth <= 0:
             return None
         reason = evaluate_request_shape(shape)
@@ -124,20 +128,33 @@ class Speculator:
             self.skips[reason] += 1
             return None
         chain = self.chains.setdefault(context_id, deque())
-        if len(chain) >= self.depth:
+        if chain:
             return None
         entry = next_entry(context_id, shape, sampled_token)
         chain.append(entry)
         return entry
 
-    def stage_from_entry(self, entry: StagedEntry, sampled_token: int) -> StagedEntry | None:
-        """Producer, deeper chains: extend a context's chain from a staged entry's own result."""
+    def stage_from_entry(self, entry: StagedEntry, sampled_token: int | None) -> StagedEntry | None:
+        """Producer, deeper chains: extend a context's chain from its last staged entry, whose
+        own sampled token is `sampled_token` (None: not back yet)."""
         chain = self.chains.get(entry.context_id)
-        if chain is None or entry not in chain or len(chain) >= self.depth:
+        if not chain or chain[-1] is not entry or len(chain) >= self.depth:
             return None
         nxt = StagedEntry(entry.context_id, sampled_token, entry.position + 1, entry.sampler, entry.adapter_id)
         chain.append(nxt)
         return nxt
+
+    def resolve(self, entry: StagedEntry, anchor: int) -> StagedEntry | None:
+        """The pass `entry` follows sampled `anchor`: the entry with it filled in (it replaces
+        `entry` in its chain), or None if `entry` is no longer staged."""
+        chain = self.chains.get(entry.context_id, deque())
+        for i, staged in enumerate(chain):
+            if staged is entry:
+                chain[i] = resolved = StagedEntry(
+                    entry.context_id, anchor, entry.position, entry.sampler, entry.adapter_id
+                )
+                return resolved
+        return None
 
     def take(self, context_id: int, shape: RequestShape) -> StagedEntry | None:
         """Consumer: the entry that serves `shape` (removed from its chain), or None, in which

@@ -3,6 +3,13 @@ passes, serves a matching inferlet request from one, and drops them when a chain
 
 Every method is called with the engine's lock held. The decisions (what may be staged, what a
 staged entry may serve) belong to `host.speculator`; this module only moves passes and results.
+
+With a driver that has the "deferred_tokens" capability, a context's next step is staged as soon
+as the pass it follows is sent (not when it returns), with its input token left to the driver:
+the next pass then waits at the driver while this one runs, and neither the host's per-pass work
+nor the inferlet's round trip leaves the device idle. Its anchor is filled in (`resolve`) when
+the pass it follows returns, before that pass's result reaches the inferlet; until then it
+matches no request.
 """
 
 from __future__ import annotations
@@ -49,16 +56,27 @@ class StagedPass:
     result: PassResult | None = None
     waiter: concurrent.futures.Future[PassResult] | None = None  # set once a request took it
     served_shape: RequestShape | None = None
+    is_dispatched: bool = False  # in a pass sent to the driver
+    has_next: bool = False  # the context's next step was staged from this one
 
 
 class Staging:
-    def __init__(self, depth: int, pages: PageTable, scheduler: Scheduler, next_ticket: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        depth: int,
+        pages: PageTable,
+        scheduler: Scheduler,
+        next_ticket: Callable[[], int],
+        deferred_tokens: bool = False,
+    ) -> None:
         self.speculator = Speculator(depth=depth)
         self._pages = pages
         self._scheduler = scheduler
         self._next_ticket = next_ticket
+        self._deferred_tokens = deferred_tokens  # the driver fills in tokens still in flight
         self._by_ticket: dict[int, StagedPass] = {}
         self._chains: dict[int, list[StagedPass]] = {}  # context -> staged passes, chain order
+        self._followers: dict[int, StagedPass] = {}  # ticket of a pass in flight -> the step staged after it
         self.num_staged = 0
 
     @property
@@ -73,30 +91,93 @@ class Staging:
         if entry is not None:
             self._submit(run_id, entry)
 
-    def _submit(self, run_id: int, entry: StagedEntry) -> None:
+    def on_dispatched(self, item: PendingPass, shape: RequestShape | None) -> None:
+        """`item`'s last chunk is in a pass being sent. With deferred tokens, stage the step
+        after it now: after a cold request (`shape`, None when it is not a decode candidate),
+        or after a staged pass."""
+        if not self._deferred_tokens:
+            return
+        staged = self._by_ticket.get(item.ticket)
+        if staged is not None:
+            staged.is_dispatched = True
+            self._grow(staged)
+        elif shape is not None:
+            entry = self.speculator.stage_after(item.context_id, shape, None)
+            if entry is not None:
+                follower = self._submit(item.run_id, entry)
+                if follower is not None:
+                    self._followers[item.ticket] = follower
+
+    def on_cold_finished(self, item: PendingPass) -> bool:
+        """A cold pass returned. With deferred tokens, its next step was staged (or skipped)
+        when it was sent: fill in that step's anchor and return True. Else return False, and
+        the caller stages after it now."""
+        if not self._deferred_tokens:
+            return False
+        follower = self._followers.pop(item.ticket, None)
+        if follower is not None:
+            self._resolve(follower, item.results[-1].token)
+        return True
+
+    def on_cold_failed(self, item: PendingPass) -> None:
+        """A cold pass failed: the step staged after it can never be right."""
+        follower = self._followers.pop(item.ticket, None)
+        if follower is not None and follower.item.ticket in self._by_ticket:
+            self._drop(item.context_id)
+
+    def _grow(self, staged: StagedPass) -> None:
+        """Stage the step after `staged` once its token is known, or, with deferred tokens, once
+        it is sent: after the request it served if one took it, else deeper in its chain."""
+        if staged.has_next:
+            return
+        token = staged.result.outputs[-1].token if staged.result is not None else None
+        if token is None and not (self._deferred_tokens and staged.is_dispatched):
+            return
+        if staged.served_shape is not None:
+            entry = self.speculator.stage_after(staged.item.context_id, staged.served_shape, token)
+        else:
+            entry = self.speculator.stage_from_entry(staged.entry, token)
+        if entry is None:
+            return
+        staged.has_next = True
+        follower = self._submit(staged.item.run_id, entry)
+        if follower is not None and token is None:
+            self._followers[staged.item.ticket] = follower
+
+    def _resolve(self, follower: StagedPass, token: int) -> None:
+        if follower.item.ticket not in self._by_ticket:
+            return  # dropped meanwhile
+        resolved = self.speculator.resolve(follower.entry, token)
+        if resolved is not None:
+            follower.entry = resolved
+
+    def _submit(self, run_id: int, entry: StagedEntry) -> StagedPass | None:
         ctx = entry.context_id
         chain = self._chains.setdefault(ctx, [])
         offset = len(chain)  # slots past the committed length already taken by this chain
         if not self._pages.reserve(ctx, offset + 1):
             self.speculator.skips["no_free_slot"] += 1
             self._drop(ctx)
-            return
+            return None
+        deferred = entry.anchor is None
         item = PendingPass(
             ticket=self._next_ticket(),
             run_id=run_id,
             context_id=ctx,
-            tokens=np.array([entry.anchor], np.uint32),
+            tokens=np.array([0 if deferred else entry.anchor], np.uint32),
             positions=np.array([entry.position], np.uint32),
             pages=self._pages.pages(ctx),
             kv_start=self._pages.length(ctx) + offset,
             outputs=(OutputSpec(0, entry.sampler),),  # an empty constraint surface, by construction
             adapter_id=entry.adapter_id,
+            deferred=deferred,
         )
         staged = StagedPass(entry, item)
         chain.append(staged)
         self._by_ticket[item.ticket] = staged
         self._scheduler.submit(item)
         self.num_staged += 1
+        return staged
 
     # ------------------------------------------------------------------ consumer
 
@@ -123,28 +204,27 @@ class Staging:
         if staged is None:
             return False
         staged.result = PassResult(outputs=item.results)
-        token = item.results[-1].token
+        follower = self._followers.pop(item.ticket, None)
+        if follower is not None:
+            self._resolve(follower, item.results[-1].token)
+        self._grow(staged)
         if staged.waiter is not None:
             staged.waiter.set_result(staged.result)
-            self.after_served(staged)
-        else:
-            deeper = self.speculator.stage_from_entry(staged.entry, token)
-            if deeper is not None:
-                self._submit(item.run_id, deeper)
         return True
 
     def after_served(self, staged: StagedPass) -> None:
-        """A request was answered from `staged`: stage the step after it."""
-        assert staged.result is not None and staged.served_shape is not None
-        self.stage_after(
-            staged.item.run_id, staged.item.context_id, staged.served_shape, staged.result.outputs[-1].token
-        )
+        """A request was answered from `staged` (its result is known, or a waiter is set): stage
+        the step after it, now if its token is known or it is already sent with deferred
+        tokens, else when that changes."""
+        assert staged.served_shape is not None
+        self._grow(staged)
 
     def on_failed(self, item: PendingPass, error: HostError) -> bool:
         """A staged pass failed or was cancelled; True if it was a staged one (handled here)."""
         staged = self._by_ticket.pop(item.ticket, None)
         if staged is None:
             return False
+        self._followers.pop(item.ticket, None)
         if staged.waiter is not None and not staged.waiter.done():
             staged.waiter.set_exception(error)
         self._drop(item.context_id)

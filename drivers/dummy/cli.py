@@ -24,6 +24,12 @@ def build_parser(listen_required: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens-per-pass", type=int, default=defaults.max_tokens_per_pass)
     parser.add_argument("--pass-latency-ms", type=float, default=0.0, help="simulated time per pass")
     parser.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
+    parser.add_argument(
+        "--no-deferred-tokens",
+        dest="deferred_tokens",
+        action="store_false",
+        help="leave the deferred_tokens capability out of the handshake (like a driver without it)",
+    )
     return parser
 
 
@@ -48,6 +54,7 @@ def _config(args: argparse.Namespace) -> DummyConfig:
         max_tokens_per_pass=args.max_tokens_per_pass,
         pass_latency_ms=args.pass_latency_ms,
         seed=args.seed,
+        deferred_tokens=args.deferred_tokens,
     )
 
 
@@ -60,4 +67,3 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     serve_forever(driver, args.listen, args.max_frame_bytes)
-

@@ -20,6 +20,7 @@ from bridge_schema.batch import logit_mask_words, unpack_allowed
 from bridge_schema.config_rules import check_prefix_match_unit
 from bridge_schema.errors import ConfigError
 from bridge_schema.messages import (
+    DEFERRED_TOKENS,
     Adapter,
     Copy,
     Forward,
@@ -55,6 +56,7 @@ class DummyConfig:
     max_probe_k: int = 20
     pass_latency_ms: float = 0.0
     seed: int = 0
+    deferred_tokens: bool = True  # advertise the capability (`drivers.serve` implements it)
 
 
 class DummyDriver:
@@ -96,7 +98,8 @@ class DummyDriver:
             max_tokens_per_pass=c.max_tokens_per_pass,
             max_mask_bytes=c.max_mask_bytes,
             max_probe_k=c.max_probe_k,
-            capabilities=["attention_mask", "logit_mask", "probes", "adapters", "copy"],
+            capabilities=["attention_mask", "logit_mask", "probes", "adapters", "copy"]
+            + ([DEFERRED_TOKENS] if c.deferred_tokens else []),
             tokenizer_kind="bytes",
             chat_template=CHATML_TEMPLATE,
             stop_token_ids=np.array([IM_END, ENDOFTEXT], dtype=np.uint32),

@@ -13,7 +13,7 @@ import torch
 
 from bridge_schema.config_rules import check_prefix_match_unit
 from bridge_schema.errors import ConfigError
-from bridge_schema.messages import Adapter, Copy, Forward, ForwardResult, Handshake, Hello
+from bridge_schema.messages import DEFERRED_TOKENS, Adapter, Copy, Forward, ForwardResult, Handshake, Hello
 from drivers.errors import ConfigRejected, RequestRejected
 from drivers.torch.batch_plan import CacheLimits, PassPlan, build_plan
 from drivers.torch.checkpoint import Checkpoint
@@ -123,7 +123,15 @@ class TorchDriver:
             max_tokens_per_pass=o.max_tokens_per_pass,
             max_mask_bytes=o.max_mask_bytes,
             max_probe_k=o.max_probe_k,
-            capabilities=["attention_mask", "logit_mask", "probes", "adapters", "copy", "sliding_window"],
+            capabilities=[
+                "attention_mask",
+                "logit_mask",
+                "probes",
+                "adapters",
+                "copy",
+                "sliding_window",
+                DEFERRED_TOKENS,  # implemented by `drivers.serve`
+            ],
             tokenizer_kind="huggingface" if tok is not None else "bytes",
             tokenizer_data=tok.to_str() if tok is not None else "",
             chat_template=self.ckpt.chat_template,

@@ -137,6 +137,9 @@ class _Sampling(_Strict):
     presence_penalty: Penalty | None = None
     logit_bias: LogitBias | None = None
     user: StrictStr | None = None
+    # An extension (as in vLLM and llama.cpp's server): generate through the model's stop
+    # tokens, up to max_tokens (stop strings and grammars still end a choice). For benchmarks.
+    ignore_eos: StrictBool | None = None
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> _Sampling:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from jsonschema import Draft202012Validator
+from jsonschema import Draft202012Validator, validators
 from jsonschema.exceptions import SchemaError
 
 from host.daemon.errors import InvalidRequest, NotFound
@@ -208,8 +208,10 @@ def _check_unsupported_sampling(frequency: float | None, presence: float | None,
 
 
 def _check_schema(schema: dict[str, Any], param: str) -> None:
+    """Checked against the draft the schema declares in `$schema` (2020-12 when it declares none):
+    a draft-04 tuple `items` or boolean `exclusiveMinimum` is valid there."""
     try:
-        Draft202012Validator.check_schema(schema)
+        validators.validator_for(schema, default=Draft202012Validator).check_schema(schema)
     except SchemaError as exc:
         where = "/".join(str(p) for p in exc.path)
         raise InvalidRequest(

@@ -78,12 +78,13 @@ def main(args: list[str]) -> None:
     want_logprobs = bool(req.get("logprobs", False))
     probe_k = int(req.get("top_logprobs", 0))
     probe = _inf.Probe.LOGPROBS if want_logprobs else _inf.Probe(0)
-    stop_tokens = set(model_info().stop_tokens)
     stops = [s for s in req.get("stop", []) if s]
     grammar = None
     if "grammar" in req:  # response_format: every step masked by the grammar, on the host
         spec = req["grammar"]
         grammar = _call(_g.Grammar.compile, spec["kind"], spec["text"], json.dumps(spec["options"]))
+    # ignore_eos: stop tokens are generated like any other, except where a grammar ends the text.
+    stop_tokens = set() if req.get("ignore_eos") and grammar is None else set(model_info().stop_tokens)
 
     branches: list[Branch] = []
     prompt_lengths = []

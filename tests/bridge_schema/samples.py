@@ -58,6 +58,7 @@ def sample_forward() -> Message:
                     OutputSpec(1, probe=Probe.DISTRIBUTION, logit_mask=pack_allowed(260, [1, 2, 3])),
                 ],
             ),
+            RequestSpec(context_id=5, tokens=[0], positions=[4], pages=[7], last_page_len=1, deferred=True),
         ],
     )
 

@@ -98,11 +98,11 @@ def test_indptr_does_not_match_data() -> None:
 
 
 def test_page_out_of_range() -> None:
-    _expect(RangeError, "pages", _with(pages=np.array([5, 6, 1, 2, 64], np.uint32)))
+    _expect(RangeError, "pages", _with(pages=np.array([5, 6, 1, 2, 3, 64], np.uint32)))
 
 
 def test_token_out_of_range() -> None:
-    _expect(RangeError, "tokens", _with(tokens=np.array([10, 11, 12, 13, 14, 20, 260], np.uint32)))
+    _expect(RangeError, "tokens", _with(tokens=np.array([10, 11, 12, 13, 14, 20, 260, 0], np.uint32)))
 
 
 def test_too_few_kv_slots_for_tokens() -> None:
@@ -110,9 +110,9 @@ def test_too_few_kv_slots_for_tokens() -> None:
         ShapeError,
         "pages",
         _with(
-            last_page_len=np.array([1, 1], np.uint32),
-            page_indptr=np.array([0, 1, 4], np.uint32),
-            pages=np.array([5, 1, 2, 3], np.uint32),
+            last_page_len=np.array([1, 1, 1], np.uint32),
+            page_indptr=np.array([0, 1, 4, 5], np.uint32),
+            pages=np.array([5, 1, 2, 3, 7], np.uint32),
         ),
     )
 
@@ -147,6 +147,12 @@ def test_nan_is_rejected() -> None:
 
 def test_logit_mask_index_past_masks() -> None:
     _expect(RangeError, "logit_mask_index", _with(logit_mask_index=np.array([-1, 1, 0], np.int32)))
+
+
+def test_deferred_request_indices_are_checked() -> None:
+    _expect(RangeError, "deferred", _with(deferred=np.array([3], np.uint32)))
+    _expect(ShapeError, "deferred", _with(deferred=np.array([2, 2], np.uint32)))
+    _expect(RangeError, "tokens", _with(deferred=np.array([0, 2], np.uint32)))  # token 10 is not 0
 
 
 def test_too_many_requests_for_the_driver() -> None:

@@ -249,3 +249,30 @@ def test_has_pending_covers_waiting_and_in_flight_passes() -> None:
     assert batch is not None and sched.has_pending(5)
     sched.complete(batch, results_for(batch))
     assert not sched.has_pending(5) and p.results
+
+
+def test_a_deferred_step_follows_its_context_s_pass_in_flight_and_a_plain_one_waits() -> None:
+    """A context's next pass waits for its pass in flight, unless its first token is deferred
+    (the driver fills it in from the pass before, which it runs first): then it goes in the
+    very next pass, never in the same one; the sent pass is not sent again."""
+    sched = Scheduler(limits(), PAGE)
+    source = item(1, 1, kv_start=5)
+    sched.submit(source)
+    first = sched.next_batch()
+    assert first is not None and [c.item for c in first.chunks] == [source]
+    plain = item(1, 1, kv_start=6)
+    sched.submit(plain)
+    assert sched.next_batch() is None  # context 1 is busy
+    sched.cancel(lambda p: p is plain)
+    follower = item(1, 1, kv_start=6)
+    follower.deferred = True
+    sched.submit(follower)
+    second = sched.next_batch()
+    assert second is not None and [c.item for c in second.chunks] == [follower]
+    assert second.chunks[0].spec.deferred and not first.chunks[0].spec.deferred
+    assert build_forward(0, second.specs()).deferred.tolist() == [0]
+    assert sched.next_batch() is None  # both passes of context 1 are in flight
+    assert [p.ticket for p in sched.complete(first, results_for(first))] == [source.ticket]
+    assert sched.has_pending(1)  # the follower is still in flight
+    assert [p.ticket for p in sched.complete(second, results_for(second))] == [follower.ticket]
+    assert not sched.has_pending(1)

@@ -109,8 +109,13 @@ def test_next_entry_continues_after_the_request() -> None:
 def test_chain_hit_miss_and_invalidation() -> None:
     spec = Speculator(depth=2)
     first = spec.stage_after(1, plain(token=5, position=10), sampled_token=42)
-    assert first is not None and spec.stage_after(1, plain(token=5, position=10), 42) is not None
-    assert spec.stage_after(1, plain(), 1) is None  # chain full at depth 2
+    assert first is not None
+    # The chain already continues past the request: staging after it again would duplicate
+    # position 11 (a chain grows from its last entry only).
+    assert spec.stage_after(1, plain(token=5, position=10), 42) is None
+    second = spec.stage_from_entry(first, 43)
+    assert second is not None and second.position == 12
+    assert spec.stage_from_entry(second, 44) is None  # chain full at depth 2
     served = spec.take(1, plain(token=42, position=11))
     assert served == first and spec.hits == 1
     assert spec.take(1, plain(token=99, position=12)) is None  # anchor differs: chain dropped
@@ -132,6 +137,23 @@ def test_deeper_chain_extends_from_staged_results() -> None:
     e2 = spec.stage_from_entry(e1, 43)
     assert e2 is not None and (e2.anchor, e2.position) == (43, 12)
     assert spec.stage_from_entry(e2, 44) is None  # depth 2 reached
+    assert spec.stage_from_entry(e1, 45) is None  # only the chain's last entry extends it
+
+
+def test_a_deferred_anchor_matches_nothing_until_resolved() -> None:
+    """Staged while the pass it follows is in flight, an entry's anchor is unknown: no request
+    may take it until the sampled token is filled in."""
+    spec = Speculator(depth=2)
+    e1 = spec.stage_after(1, plain(token=5, position=10), None)
+    assert e1 is not None and e1.anchor is None
+    e2 = spec.stage_from_entry(e1, None)  # deeper, also deferred
+    assert e2 is not None and e2.anchor is None and e2.position == 12
+    resolved = spec.resolve(e1, 42)
+    assert resolved is not None and resolved.anchor == 42 and spec.staged(1) == (resolved, e2)
+    assert spec.resolve(e1, 42) is None  # the unresolved entry is gone from the chain
+    assert spec.take(1, plain(token=42, position=11)) == resolved
+    assert spec.take(1, plain(token=43, position=12)) is None  # e2 still unresolved: a miss
+    assert spec.misses["anchor_mismatch"] == 1 and spec.staged(1) == ()
 
 
 def test_entry_match_rejects_logit_masked_request() -> None:

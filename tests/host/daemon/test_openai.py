@@ -119,6 +119,18 @@ def test_seed_reproducibility(server: Server) -> None:
     assert a != c
 
 
+def test_ignore_eos_generates_through_stop_tokens(server: Server) -> None:
+    """The dummy samples a stop token about once in 130 tokens: of 8 seeded choices of 300
+    tokens some stop early, unless `ignore_eos` (an extension, as in vLLM) is set."""
+    plain = chat(server, temperature=1.0, seed=5, n=8, max_tokens=300)
+    assert any(c.finish_reason == "stop" for c in plain.choices)
+    ignoring = chat(server, temperature=1.0, seed=5, n=8, max_tokens=300, extra_body={"ignore_eos": True})
+    assert [c.finish_reason for c in ignoring.choices] == ["length"] * 8
+    assert ignoring.usage is not None and ignoring.usage.completion_tokens == 8 * 300
+    with pytest.raises(openai.BadRequestError):
+        chat(server, extra_body={"ignore_eos": "yes"})
+
+
 def test_stop_sequence(server: Server) -> None:
     full = chat(server, max_tokens=60).choices[0].message.content or ""
     printable = [i for i in range(5, len(full) - 2) if full[i].isalnum()]

@@ -104,3 +104,29 @@ def test_40_concurrent_requests_mixing_constrained_and_plain(server: Server) -> 
             jsonschema.validate(json.loads(content), schema_for(i))
         else:
             assert finish in ("stop", "length")
+
+
+def test_a_draft_04_schema_is_checked_against_its_own_draft(server: Server) -> None:
+    """Draft-04 spellings that 2020-12 reads as invalid (a boolean exclusiveMinimum, a list of
+    items) are valid in the draft the schema declares: the request is served, not a 400."""
+    schema = {
+        "$schema": "http://json-schema.org/draft-04/schema#",
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer", "minimum": 0, "exclusiveMinimum": True, "maximum": 9},
+            "pair": {"type": "array", "items": [{"type": "boolean"}, {"type": "boolean"}], "additionalItems": False},
+        },
+        "required": ["n", "pair"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "d4", "schema": schema, "strict": True}}
+    resp = server.client().chat.completions.create(
+        model="dummy",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        response_format=fmt,  # type: ignore[arg-type]
+        max_tokens=60,
+        seed=1,
+    )
+    choice = resp.choices[0]
+    if choice.finish_reason == "stop":
+        jsonschema.Draft4Validator(schema).validate(json.loads(choice.message.content or ""))

@@ -36,11 +36,17 @@ def test_driver_killed_mid_stream(server: Server) -> None:
 
     def non_streamed() -> None:
         try:
-            outcome["result"] = client.chat.completions.create(model="dummy", messages=MESSAGES, max_tokens=400)
+            outcome["result"] = client.chat.completions.create(
+                model="dummy", messages=MESSAGES, max_tokens=400, extra_body={"ignore_eos": True}
+            )
         except BaseException as exc:  # recorded for the assertion below
             outcome["error"] = exc
 
-    stream = client.chat.completions.create(model="dummy", messages=MESSAGES, max_tokens=400, stream=True)
+    # ignore_eos: no stop token ends either generation before the kill (the dummy samples one in
+    # about every 130 tokens).
+    stream = client.chat.completions.create(
+        model="dummy", messages=MESSAGES, max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+    )
     thread = threading.Thread(target=non_streamed)
     thread.start()
     is_killed = False

@@ -22,7 +22,7 @@ from host.sandbox.sandbox import Sandbox
 LATENCIES_MS = (2, 5, 10)
 DEPTHS = (0, 1, 2)
 RUNS = (1, 8)
-TOKENS = 60
+TOKENS = 200
 WORK_US = 1000
 
 

@@ -3,6 +3,11 @@
 Methods receive messages that already passed `bridge_schema` decoding (types, shapes, and ranges
 against the driver's own handshake limits). They raise `drivers.errors.DriverError` subclasses
 for requests they refuse; any other exception becomes an INTERNAL error reply.
+
+Optionally, a driver that models a device queue sets an attribute `reply_at` (a
+`time.perf_counter()` time, or None) in `forward`: the serve loop then sends that reply no
+earlier, from a writer task, and meanwhile goes on reading and handling the frames behind it
+(the dummy driver's simulated pass latency works this way).
 """
 
 from __future__ import annotations

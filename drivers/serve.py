@@ -10,9 +10,12 @@ import logging
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass, field
 
 import anyio
+import anyio.abc
+import anyio.to_thread
 
 from bridge_schema.codec import decode, encode, peek_id
 from bridge_schema.errors import ConnectionClosed, FrameError, RangeError, SchemaError
@@ -37,6 +40,7 @@ from bridge_schema.transport import Connection, listen, parse_address, run
 from drivers.deferred import DeferredTokens
 from drivers.errors import DriverError
 from drivers.protocol import Driver
+from drivers.timing import sleep_until
 
 log = logging.getLogger("drivers.serve")
 
@@ -97,14 +101,40 @@ def handle(driver: Driver, state: _ServeState, message: Message) -> Message:
 
 
 async def serve_connection(driver: Driver, conn: Connection, state: _ServeState) -> None:
+    """Read, decode, handle and reply, one frame at a time, in order. A driver that models a
+    device queue (`reply_at`, see `drivers.protocol`) has its replies sent by a writer task at
+    their due time, while this loop goes on reading and handling the frames behind them."""
+    outbox_in, outbox_out = anyio.create_memory_object_stream[tuple[Message, float]](max_buffer_size=64)
+    is_shutdown = False
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_write_due_replies, conn, outbox_out)
+            try:
+                is_shutdown = await _read_and_handle(driver, conn, state, outbox_in)
+            finally:
+                outbox_in.close()  # the writer sends what is queued, then ends
+    finally:
+        outbox_in.close()
+        outbox_out.close()
+        with anyio.CancelScope(shield=True):  # closed even when the serving task is cancelled
+            await conn.aclose()
+    if is_shutdown:  # its Ack is sent: stop serving
+        state.shutdown.set()
+
+
+async def _read_and_handle(
+    driver: Driver, conn: Connection, state: _ServeState, outbox: anyio.abc.ObjectSendStream[tuple[Message, float]]
+) -> bool:
+    """The reading half of `serve_connection`; True once a `Shutdown` has been answered."""
     while not state.shutdown.is_set():
         try:
             payload = await conn.receive_payload()
         except FrameError as exc:
-            await _try_send(conn, _error(0, Status.BAD_REQUEST, exc.code, "", str(exc)))
-            break
+            await outbox.send((_error(0, Status.BAD_REQUEST, exc.code, "", str(exc)), 0.0))
+            return False
         except ConnectionClosed:
-            break
+            return False
+        is_shutdown = False
         try:
             message = decode(payload, state.limits)
         except SchemaError as exc:
@@ -114,13 +144,26 @@ async def serve_connection(driver: Driver, conn: Connection, state: _ServeState)
             reply: Message = _error(peek_id(payload), status, exc.code, exc.field, str(exc))
         else:
             reply = handle(driver, state, message)
-            if isinstance(message, Shutdown):
-                await _try_send(conn, reply)
-                state.shutdown.set()
-                break
+            is_shutdown = isinstance(message, Shutdown)
+        # Once a driver has given a due time, every reply goes through the writer, in order.
+        reply_at: float | None = getattr(driver, "reply_at", None)
+        if reply_at is None and not is_shutdown:
+            if not await _try_send(conn, reply):
+                return False
+        else:
+            await outbox.send((reply, reply_at if isinstance(reply, ForwardResult) and reply_at else 0.0))
+        if is_shutdown:
+            return True
+    return False
+
+
+async def _write_due_replies(conn: Connection, replies: anyio.abc.ObjectReceiveStream[tuple[Message, float]]) -> None:
+    """Send queued replies in order, each no earlier than its due time (perf_counter seconds)."""
+    async for reply, due in replies:
+        if due > time.perf_counter():
+            await anyio.to_thread.run_sync(sleep_until, due)  # the event loop's timers are too coarse
         if not await _try_send(conn, reply):
-            break
-    await conn.aclose()
+            return
 
 
 async def _try_send(conn: Connection, reply: Message) -> bool:

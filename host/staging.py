@@ -217,7 +217,10 @@ class Staging:
         the step after it, now if its token is known or it is already sent with deferred
         tokens, else when that changes."""
         assert staged.served_shape is not None
-        self._grow(staged)
+        chain = self._chains.get(staged.item.context_id)
+        # The chain shrank by one: grow it again from its last entry (or from `staged` if it
+        # was the last).
+        self._grow(chain[-1] if chain else staged)
 
     def on_failed(self, item: PendingPass, error: HostError) -> bool:
         """A staged pass failed or was cancelled; True if it was a staged one (handled here)."""

@@ -68,6 +68,9 @@ class DummyDriver:
         self.num_pages = config.num_pages
         self._rng = np.random.default_rng(config.seed)
         self._adapters: set[int] = set()
+        # With a pass latency: when the simulated device is free, and when the last reply is due.
+        self._device_free_at = 0.0
+        self.reply_at: float | None = None
         self.stats: dict[str, int | float | str] = {
             "forwards": 0,
             "requests": 0,
@@ -107,8 +110,17 @@ class DummyDriver:
         )
 
     def forward(self, f: Forward) -> ForwardResult:
+        """Sample every output row. With `pass_latency_ms` the driver models a device queue: the
+        pass occupies the device for that long, starting when the device is free (right away
+        if it is idle, else when the pass before ends), and its reply is due when it ends
+        (`reply_at`; `drivers.serve` sends it then, while it reads the frames behind it)."""
+        result = self._forward(f)
         if self.config.pass_latency_ms:
-            time.sleep(self.config.pass_latency_ms / 1000)
+            start = max(time.perf_counter(), self._device_free_at)
+            self._device_free_at = self.reply_at = start + self.config.pass_latency_ms / 1000
+        return result
+
+    def _forward(self, f: Forward) -> ForwardResult:
         if (f.adapter_ids >= 0).any():
             bad = [a for a in f.adapter_ids.tolist() if a >= 0 and a not in self._adapters]
             if bad:

@@ -158,9 +158,11 @@ class PassLoop:
             e._complete_s += time.perf_counter() - t0
         e._wake_here()
 
-    def batch_failed(self, batch: Batch, error: DriverFailed, is_link_lost: bool) -> None:
+    def batch_failed(self, batch: Batch, error: HostError, is_link_lost: bool) -> None:
         e = self.engine
         with e._lock:
+            if e._is_close_requested:  # the link went down because the engine is closing
+                error = EngineClosed("the engine closed while the pass waited")
             e._num_in_flight -= 1
             for item in e._scheduler.fail(batch):
                 e._fail_item(item, error)
@@ -168,7 +170,7 @@ class PassLoop:
             self.link_lost(error)
         e._wake_here()
 
-    def link_lost(self, error: DriverFailed) -> None:
+    def link_lost(self, error: HostError) -> None:
         """Every waiting pass fails now; later calls fail with the same error."""
         e = self.engine
         with e._lock:

@@ -27,7 +27,8 @@ from host.grammar.errors import (
 )
 from host.grammar.grammar import KINDS, Grammar, GrammarKey, OptionItems
 from host.grammar.json_grammar import json_schema_grammar
-from host.grammar.tokenizer_info import TokenizerSpec, tokenizer_info
+from host.grammar.tokenizer_info import TokenizerSpec, token_table, tokenizer_info
+from host.grammar.utf8_guard import Utf8Guard
 
 Option = bool | str | int
 # Each kind's options and their defaults; anything else is refused, so a typo is not ignored.
@@ -65,6 +66,7 @@ class GrammarCompiler:
         self.tokenizer = tokenizer
         info = tokenizer_info(tokenizer)
         self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
+        self._utf8_guard = Utf8Guard.from_table(token_table(tokenizer))
         self._cache: OrderedDict[GrammarKey, Grammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -174,6 +176,7 @@ class GrammarCompiler:
             self.tokenizer.stop_token_ids,
             unsupported,
             time.perf_counter() - start,
+            self._utf8_guard,
         )
 
     def _compile_json(self, schema: str, *, strict: bool, compact: bool) -> xgr.CompiledGrammar:

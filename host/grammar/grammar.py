@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import xgrammar as xgr
 
 from host.grammar.matcher import Matcher
+from host.grammar.utf8_guard import Utf8Guard
 
 # The kinds a caller may ask for (WIT and HTTP name them the same way).
 KINDS = ("json_object", "json", "json_schema", "regex", "ebnf", "tool_call")
@@ -35,6 +36,7 @@ class Grammar:
     stop_token_ids: tuple[int, ...]
     unsupported: tuple[str, ...] = ()
     compile_time_s: float = field(default=0.0, compare=False)
+    utf8_guard: Utf8Guard | None = field(default=None, compare=False)  # see host.grammar.utf8_guard
 
     @property
     def kind(self) -> str:

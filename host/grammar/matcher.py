@@ -39,6 +39,8 @@ class Matcher:
             _state = xgr.GrammarMatcher(grammar.compiled, terminate_without_stop_token=not grammar.stop_token_ids)
         self._state = _state
         self._num_accepted = 0
+        # Per accepted token: did it end with a dangling ED lead byte (host.grammar.utf8_guard)?
+        self._ends_with_lead: list[bool] = []
 
     @property
     def num_accepted(self) -> int:
@@ -55,9 +57,13 @@ class Matcher:
             raise MatcherError(f"token id {token_id} is outside the vocabulary of {self.vocab_size}")
         if self._state.is_terminated():
             return False
+        guard = self.grammar.utf8_guard
+        if guard is not None and guard.refuses(token_id, bool(self._ends_with_lead) and self._ends_with_lead[-1]):
+            return False  # a surrogate, which xgrammar would take for a character
         accepted = bool(self._state.accept_token(token_id))
         if accepted:
             self._num_accepted += 1
+            self._ends_with_lead.append(guard is not None and bool(guard.ends_with_lead[token_id]))
         return accepted
 
     def accept_tokens(self, token_ids: list[int]) -> int:
@@ -76,6 +82,7 @@ class Matcher:
         if num_tokens:
             self._state.rollback(num_tokens)
             self._num_accepted -= num_tokens
+            del self._ends_with_lead[-num_tokens:]
 
     def is_terminated(self) -> bool:
         """True once a stop token was accepted (or, with no stop tokens, the grammar is complete)."""
@@ -100,7 +107,14 @@ class Matcher:
         if self._state.is_terminated():
             raise MatcherError("the matcher has terminated (a stop token was accepted); end the generation")
         # Same bits, int32 view: xgrammar's layout is the bridge's, only the dtype name differs.
-        return bool(self._state.fill_next_token_bitmask(out.view(np.int32)))
+        is_constrained = bool(self._state.fill_next_token_bitmask(out.view(np.int32)))
+        guard = self.grammar.utf8_guard
+        if guard is not None:
+            after_lead = bool(self._ends_with_lead) and self._ends_with_lead[-1]
+            if not is_constrained and (after_lead or not guard.is_noop):
+                out.fill(0xFFFFFFFF)  # "everything allowed" need not have been written out
+            is_constrained = guard.apply(out, after_lead) or is_constrained
+        return is_constrained
 
     def jump_forward(self) -> str:
         """The text every continuation must start with ("" when none, or when terminated).
@@ -114,9 +128,11 @@ class Matcher:
     def reset(self) -> None:
         self._state.reset()
         self._num_accepted = 0
+        self._ends_with_lead.clear()
 
     def fork(self) -> Matcher:
         """An independent matcher in the same state (for a forked context)."""
         twin = Matcher(self.grammar, self._state.fork())
         twin._num_accepted = self._num_accepted
+        twin._ends_with_lead = list(self._ends_with_lead)
         return twin

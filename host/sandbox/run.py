@@ -95,6 +95,10 @@ class Run:
         except wasmtime.WasmtimeError as exc:
             return self._classify_failure(exc)
         if isinstance(result, str):
+            if state.cancel_requested.is_set():
+                # Most likely the error of a host call the cancel failed (a pass, a receive):
+                # the run ended because it was cancelled, not because the inferlet is wrong.
+                return RunStatus.CANCELLED, f"cancelled (the inferlet then returned: {result})"
             return RunStatus.GUEST_ERROR, result
         return RunStatus.OK, None
 

@@ -191,3 +191,20 @@ def test_truncate_rewinds_a_context(sandbox: Sandbox, components: dict[str, Comp
     assert result["again"] == result["first"]
     assert result["tail"] == result["first"][2:4]
     assert result["len"] == 14
+
+
+def test_a_run_cancelled_while_its_pass_waits_ends_cancelled(
+    sandbox: Sandbox, components: dict[str, Component]
+) -> None:
+    """Cancel fails the pass the run is waiting for at a slow driver: the run ends CANCELLED at
+    once, not as a failed pass, and not after the driver's 300 ms."""
+    with Engine.start(driver="dummy", driver_args=["--pass-latency-ms", "300"]) as slow:
+        io = BufferedRunIO()
+        args = ["--prompt", "Once", "--max-tokens", "50"]
+        handle = sandbox.start(components["text_completion"], slow, args, io=io)
+        while not io.output and not handle.is_done:
+            threading.Event().wait(0.01)  # until it has generated: its next pass waits 300 ms
+        assert not handle.is_done, handle.wait().error
+        handle.cancel()
+        outcome = handle.wait(timeout_s=120)
+        assert outcome.status is RunStatus.CANCELLED, (outcome.status, outcome.error)

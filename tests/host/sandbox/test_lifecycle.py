@@ -3,6 +3,7 @@ it holds, messages flow both ways, and a component is compiled once."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -119,3 +120,24 @@ def test_an_adapter_the_engine_refuses_is_an_error_the_guest_can_handle(
     outcome = sandbox.run(misbehave, services, ["adapter", "no-such-lora"])
     assert outcome.status is RunStatus.OK, outcome.error
     assert outcome.output == "refused: no adapter named 'no-such-lora'"
+
+
+def test_an_error_the_guest_returns_after_a_cancel_ends_the_run_cancelled(
+    sandbox: Sandbox, misbehave: Component, services: TableServices
+) -> None:
+    """A cancel that lands while the guest is between host calls: the guest goes on and returns
+    its own error (here deliberately; in practice, the error of a call the cancel failed). The
+    run ended because it was cancelled, so it is CANCELLED, not GUEST_ERROR."""
+    handles: list[object] = []
+    started = threading.Event()
+
+    def cancel_on_output(_chunk: str) -> None:
+        started.wait(timeout=60)
+        handles[0].cancel()  # type: ignore[attr-defined]
+
+    handle = sandbox.start(misbehave, services, ["leak", "1", "then-fail"], io=BufferedRunIO(on_chunk=cancel_on_output))
+    handles.append(handle)
+    started.set()
+    outcome = handle.wait(timeout_s=120)
+    assert outcome.status is RunStatus.CANCELLED, (outcome.status, outcome.error)
+    assert "failing while holding contexts" in (outcome.error or "")  # what the guest said is kept

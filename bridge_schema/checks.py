@@ -24,6 +24,8 @@ from bridge_schema.messages import (
 )
 
 _PROBE_ALL = int(Probe.LOGPROBS | Probe.DISTRIBUTION)
+_MAX_SAMPLER = int(max(SamplerKind))  # enum lookups cost microseconds each on the hot path
+_GREEDY = int(SamplerKind.GREEDY)
 _PER_OUTPUT = (
     "sampler",
     "temperature",
@@ -140,10 +142,10 @@ def _check_outputs(f: Forward, n_tokens: npt.NDArray[np.int64], n_out: npt.NDArr
     # One combined test on the fast path; the per-field tests below only run to name the field.
     # Written so that NaN fails every comparison.
     temperature_ok = ((f.temperature > 0) & (f.temperature < np.inf)) | (
-        (f.temperature == 0) & (f.sampler == SamplerKind.GREEDY)
+        (f.temperature == 0) & (f.sampler == _GREEDY)
     )
     ok = (
-        (f.sampler <= max(SamplerKind))
+        (f.sampler <= _MAX_SAMPLER)
         & temperature_ok
         & (f.top_p > 0)
         & (f.top_p <= 1)
@@ -156,7 +158,7 @@ def _check_outputs(f: Forward, n_tokens: npt.NDArray[np.int64], n_out: npt.NDArr
     if ok.all():
         return
     for field, valid, message in (
-        ("sampler", f.sampler <= max(SamplerKind), "unknown sampler kind"),
+        ("sampler", f.sampler <= _MAX_SAMPLER, "unknown sampler kind"),
         ("temperature", temperature_ok, "must be finite and > 0 for random sampling (use greedy for 0)"),
         ("top_p", (f.top_p > 0) & (f.top_p <= 1), "must be in (0, 1]"),
         ("min_p", (f.min_p >= 0) & (f.min_p < 1), "must be in [0, 1)"),

@@ -11,15 +11,18 @@ HEADER_BYTES = HEADER.size
 DEFAULT_MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 
+def check_length(length: int, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> int:
+    """`length`, or `FrameError` when a frame that long is over the maximum."""
+    if length > max_frame_bytes:
+        raise FrameError(f"frame of {length} bytes exceeds the maximum {max_frame_bytes}")
+    return length
+
+
 def frame(payload: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
-    if len(payload) > max_frame_bytes:
-        raise FrameError(f"frame of {len(payload)} bytes exceeds the maximum {max_frame_bytes}")
-    return HEADER.pack(len(payload)) + payload
+    return HEADER.pack(check_length(len(payload), max_frame_bytes)) + payload
 
 
 def payload_length(header: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> int:
     """The payload length announced by a header; `FrameError` when it is over the maximum."""
     (length,) = HEADER.unpack(header)
-    if length > max_frame_bytes:
-        raise FrameError(f"frame of {length} bytes exceeds the maximum {max_frame_bytes}")
-    return int(length)
+    return check_length(int(length), max_frame_bytes)

@@ -108,8 +108,9 @@ async def test_fuzzed_frames_get_error_replies_and_the_driver_keeps_serving(dumm
 
 async def test_oversized_frame_closes_only_its_connection(dummy_address: str) -> None:
     conn = await connect(dummy_address)
-    stream = conn._stream  # write a raw header announcing 1 GiB
-    await stream.send(struct.pack("<I", (1 << 30) + 1))
+    transport = conn._protocol.transport  # write a raw header announcing 1 GiB
+    assert transport is not None
+    transport.write(struct.pack("<I", (1 << 30) + 1))
     reply = decode(await conn.receive_payload())
     assert isinstance(reply, ErrorReply) and "exceeds" in reply.message
     with pytest.raises(ConnectionClosed):

@@ -86,13 +86,14 @@ def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokeni
     messages = [[_template_role(m.role), _message_text(m)] for m in req.messages]
     try:
         text = tokenizer.apply_chat_template([(r, c) for r, c in messages], True)
-        num_tokens = len(tokenizer.encode(text))
+        prompt = tokenizer.encode(text)
     except HostError as exc:
         raise InvalidRequest(f"the messages cannot be rendered: {exc}", param="messages") from None
     limit = req.max_completion_tokens or req.max_tokens
-    max_tokens = _fit_context(num_tokens, limit, model.max_context, "messages")
+    max_tokens = _fit_context(len(prompt), limit, model.max_context, "messages")
     top = req.top_logprobs or 0
-    job = _job(req, [{"messages": messages}], num_tokens, max_tokens, bool(req.logprobs), top)
+    # The rendered prompt as token ids: the chat inferlet need not render and tokenize it again.
+    job = _job(req, [{"tokens": prompt}], len(prompt), max_tokens, bool(req.logprobs), top)
     if grammar is not None:
         job.args["grammar"] = grammar
     return replace(job, tool_call=tool_call) if tool_call else job
@@ -112,7 +113,7 @@ def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Toke
     for raw in _prompt_list(req.prompt):
         if isinstance(raw, str):
             tokens = tokenizer.encode(raw)
-            prompts.append({"text": raw})
+            prompts.append({"tokens": tokens})  # tokenized once, here
         else:
             bad = [t for t in raw if t >= model.vocab_size]
             if bad:

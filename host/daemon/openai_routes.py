@@ -24,6 +24,7 @@ from host.daemon.openai_prepare import GrammarSource, Job, check_model, prepare_
 from host.daemon.openai_render import Renderer
 from host.daemon.run_log import RunEvent
 from host.daemon.runs import RunRecord
+from host.engine import Engine
 from host.services import ModelInfo, Tokenizer
 
 log = logging.getLogger("wafer.daemon.openai")
@@ -81,10 +82,15 @@ async def _serve(
 ) -> JSONResponse | StreamingResponse:
     daemon = daemon_of(request)
     started = time.monotonic()
-    served = await anyio.to_thread.run_sync(daemon.served_model)
-    check_model(req.model, served)
-    engine = await anyio.to_thread.run_sync(daemon.engine)
-    job = await anyio.to_thread.run_sync(prepare, req, engine.model, engine.tokenizer, engine.grammars)
+
+    def prepared() -> tuple[str, Engine, Job]:
+        """In one worker thread: waiting for the driver, rendering, tokenizing, compiling."""
+        served = daemon.served_model()
+        check_model(req.model, served)
+        engine = daemon.engine()
+        return served, engine, prepare(req, engine.model, engine.tokenizer, engine.grammars)
+
+    served, engine, job = await anyio.to_thread.run_sync(prepared)
     record, early = await _start(daemon, job, key_id_of(request))
     renderer = Renderer(kind, job, served, engine.tokenizer, request_id_of(request))
     early_error = _run_error(record) if early[-1].kind == "end" else None

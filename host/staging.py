@@ -39,7 +39,7 @@ def shape_of(
 ) -> RequestShape:
     contiguous = len(positions) < 2 or bool((np.diff(positions.astype(np.int64)) == 1).all())
     return RequestShape(
-        tokens=tuple(int(t) for t in tokens),
+        tokens=tuple(tokens.tolist()),  # in C: a long prefill passes through here on the loop thread
         position=int(positions[0]),
         outputs=outputs,
         adapter_id=adapter_id,

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
-import jsonschema
 import pytest
 from wasmtime.component import Component
 
@@ -20,8 +18,8 @@ from host.build import build
 from host.engine import Engine
 from host.sandbox import Sandbox
 from host.sandbox.run_io import BufferedRunIO
+from tests.schema_corpus import corpus_schemas, validator
 
-CORPUS = Path(__file__).resolve().parents[1] / "data" / "jsonschemas"
 SCHEMA_SEEDS = 2
 SCHEMA_MAX_TOKENS = 160
 
@@ -37,20 +35,6 @@ def decode(sandbox: Sandbox, component: Component, engine: Engine, args: list[st
     outcome = sandbox.run(component, engine, args, io=io)
     assert outcome.is_ok, outcome.error
     return outcome.output, json.loads(io.sent[-1])["finish_reason"]
-
-
-def corpus_schemas() -> list[Path]:
-    """Every schema of the corpus (133), in its index's order."""
-    lines = (CORPUS / "index.tsv").read_text().splitlines()
-    header = lines[0].split("\t")
-    rows = [dict(zip(header, line.split("\t"), strict=True)) for line in lines[1:]]
-    return [CORPUS / "schemas" / r["file"] for r in rows]
-
-
-def validator(schema: dict[str, Any]) -> jsonschema.protocols.Validator:
-    """A validator of the draft the schema declares (the latest when it declares none)."""
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    return cls(schema, format_checker=cls.FORMAT_CHECKER)
 
 
 def test_json_object_begins_with_a_brace_and_parses_when_finished(

@@ -19,13 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import openai
 import pytest
 
 from tests.host.daemon.conftest import Server
+from tests.schema_corpus import corpus_schemas, validator
 
-CORPUS = Path(__file__).resolve().parents[2] / "data" / "jsonschemas"
 MESSAGES = [{"role": "user", "content": "Reply with JSON that follows the schema."}]
 SEEDS = (0, 1)
 MAX_TOKENS = 160
@@ -41,20 +40,6 @@ class Outcome:
     refusal: str | None  # the 400's message, or None when the request ran
     finish_reason: str | None
     content: str
-
-
-def corpus_schemas() -> list[Path]:
-    """Every schema of the corpus (133), in its index's order."""
-    lines = (CORPUS / "index.tsv").read_text().splitlines()
-    header = lines[0].split("\t")
-    rows = [dict(zip(header, line.split("\t"), strict=True)) for line in lines[1:]]
-    return [CORPUS / "schemas" / r["file"] for r in rows]
-
-
-def validator(schema: dict[str, Any]) -> jsonschema.protocols.Validator:
-    """A validator of the draft the schema declares (the latest when it declares none)."""
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    return cls(schema, format_checker=cls.FORMAT_CHECKER)
 
 
 def schema_format(name: str, schema: dict[str, Any]) -> Any:

@@ -43,7 +43,7 @@ from host.prefix_cache import PrefixCache
 from host.scheduler import Batch, PassLimits, PendingPass, Scheduler
 from host.services import ModelInfo, PassRequest, PassResult, Tokenizer
 from host.speculator import RequestShape
-from host.staging import Staging, shape_of
+from host.staging import Staging, Waiter, shape_of
 from host.tokenizer import tokenizer_from_handshake
 
 if TYPE_CHECKING:
@@ -70,7 +70,8 @@ class Engine:
         self._context_ids = itertools.count(1)
         self._tickets = itertools.count(1)
         self._owner: dict[int, int] = {}  # context -> run
-        self._futures: dict[int, concurrent.futures.Future[PassResult]] = {}  # ticket -> waiter
+        self._futures: dict[int, Waiter] = {}  # ticket -> waiter
+        self._ready_chains: list[tuple[_Chain, PassResult]] = []  # generations to continue
         self._pending_copies: list[PageCopy] = []
         self._adapters: dict[str, int] = {}  # name -> driver adapter id (kept loaded)
         self._run_adapters: dict[int, set[int]] = {}
@@ -223,62 +224,76 @@ class Engine:
     def forward(self, run_id: int, context_id: int, request: PassRequest) -> PassResult:
         future: concurrent.futures.Future[PassResult] = concurrent.futures.Future()
         with self._lock:
-            self._check_usable()
-            self._check_owner(run_id, context_id)
-            kv_start = self._pages.length(context_id)
-            checked = check_request(request, kv_start, self._handshake, self._run_adapters.get(run_id, set()))
-            if self._pages.has_holes(context_id):
-                check_holes_masked(checked, self._pages.pages(context_id), self._pages.page_size)
-            shape = shape_of(
-                checked.tokens,
-                checked.positions,
-                checked.outputs,
+            served = self._submit(run_id, context_id, request, future)
+        self._wake_loop()
+        return served if served is not None else future.result()
+
+    def generate(
+        self, run_id: int, context_id: int, first: PassRequest, next_step: Callable[[PassResult], PassRequest | None]
+    ) -> None:
+        chain = _Chain(self, run_id, context_id, next_step)
+        with self._lock:
+            served = self._submit(run_id, context_id, first, chain)
+            if served is not None:
+                chain.continue_from(served)
+        self._wake_loop()
+        chain.finished.result()
+
+    def _submit(self, run_id: int, context_id: int, request: PassRequest, waiter: Waiter) -> PassResult | None:
+        """Queue one pass (lock held). Returns its result when a staged pass that already
+        returned serves it; else `waiter` gets the result (or the error) when it comes."""
+        self._check_usable()
+        self._check_owner(run_id, context_id)
+        kv_start = self._pages.length(context_id)
+        checked = check_request(request, kv_start, self._handshake, self._run_adapters.get(run_id, set()))
+        if self._pages.has_holes(context_id):
+            check_holes_masked(checked, self._pages.pages(context_id), self._pages.page_size)
+        shape = shape_of(
+            checked.tokens,
+            checked.positions,
+            checked.outputs,
+            request.adapter_id,
+            checked.mask_rows is not None,
+            request.has_grammar,
+        )
+        staged = self._staging.take(context_id, shape)
+        if staged is not None:
+            # Served by a pre-fired pass: its slot, held already, becomes part of the context.
+            copies = self._pages.extend(context_id, 1)
+            assert not copies, "a staged slot needed a page copy"
+            if self._prefix is not None:
+                self._prefix.record(context_id, list(shape.tokens), [shape.position], request.adapter_id, False)
+            if staged.result is None:
+                staged.waiter = waiter
+            self._staging.after_served(staged)  # with deferred tokens, the next step goes now
+            return staged.result
+        if self._prefix is not None:
+            self._prefix.record(
+                context_id,
+                checked.tokens.tolist(),
+                checked.positions.tolist(),
                 request.adapter_id,
                 checked.mask_rows is not None,
-                request.has_grammar,
             )
-            staged = self._staging.take(context_id, shape)
-            if staged is not None:
-                # Served by a pre-fired pass: its slot, held already, becomes part of the context.
-                copies = self._pages.extend(context_id, 1)
-                assert not copies, "a staged slot needed a page copy"
-                if self._prefix is not None:
-                    self._prefix.record(context_id, list(shape.tokens), [shape.position], request.adapter_id, False)
-                if staged.result is not None:
-                    self._staging.after_served(staged)
-                    self._wake_loop()
-                    return staged.result
-                staged.waiter = future
-                self._staging.after_served(staged)  # with deferred tokens, the next step goes now
-            else:
-                if self._prefix is not None:
-                    self._prefix.record(
-                        context_id,
-                        checked.tokens.tolist(),
-                        checked.positions.tolist(),
-                        request.adapter_id,
-                        checked.mask_rows is not None,
-                    )
-                    reused, checked = self._prefix.reuse(context_id, checked, request.adapter_id)
-                    kv_start += reused
-                self._pending_copies += self._pages.extend(context_id, len(checked.tokens))  # may raise OutOfPages
-                item = PendingPass(
-                    ticket=next(self._tickets),
-                    run_id=run_id,
-                    context_id=context_id,
-                    tokens=checked.tokens,
-                    positions=checked.positions,
-                    pages=self._pages.pages(context_id),
-                    kv_start=kv_start,
-                    outputs=checked.outputs,
-                    adapter_id=request.adapter_id,
-                    mask_rows=checked.mask_rows,
-                    has_grammar=request.has_grammar,
-                )
-                self._futures[item.ticket] = future
-                self._enqueue(item)
-        self._wake_loop()
-        return future.result()
+            reused, checked = self._prefix.reuse(context_id, checked, request.adapter_id)
+            kv_start += reused
+        self._pending_copies += self._pages.extend(context_id, len(checked.tokens))  # may raise OutOfPages
+        item = PendingPass(
+            ticket=next(self._tickets),
+            run_id=run_id,
+            context_id=context_id,
+            tokens=checked.tokens,
+            positions=checked.positions,
+            pages=self._pages.pages(context_id),
+            kv_start=kv_start,
+            outputs=checked.outputs,
+            adapter_id=request.adapter_id,
+            mask_rows=checked.mask_rows,
+            has_grammar=request.has_grammar,
+        )
+        self._futures[item.ticket] = waiter
+        self._enqueue(item)
+        return None
 
     def grammars(self) -> GrammarCompiler:
         """The grammar compiler for this driver's tokenizer, built on first use (importing
@@ -387,6 +402,11 @@ class Engine:
                 shape = self._decode_shape(item)  # staged when it returns, not when it was sent
                 if shape is not None:
                     self._staging.stage_after(item.run_id, item.context_id, shape, item.results[-1].token)
+        # Generations continue only now, with every result of this pass routed: their next steps
+        # may take the passes just staged.
+        ready, self._ready_chains = self._ready_chains, []
+        for chain, result in ready:
+            chain.continue_from(result)
 
     # ------------------------------------------------------------------ run-thread helpers
 
@@ -503,3 +523,42 @@ class Engine:
             lambda: next(self._tickets),
             deferred_tokens=DEFERRED_TOKENS in h.capabilities,
         )
+
+
+class _Chain:
+    """One `Engine.generate`: the waiter of each of its steps in turn. A step's result is
+    turned into the next request on the engine's loop thread, as soon as the result is routed,
+    so a host-side generation costs no thread hop per token."""
+
+    def __init__(
+        self, engine: Engine, run_id: int, context_id: int, next_step: Callable[[PassResult], PassRequest | None]
+    ) -> None:
+        self._engine = engine
+        self._run_id = run_id
+        self._context_id = context_id
+        self._next_step = next_step
+        self.finished: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def set_result(self, result: PassResult) -> None:
+        self._engine._ready_chains.append((self, result))  # continued at the end of _on_finished
+
+    def set_exception(self, exception: BaseException) -> None:
+        if not self.finished.done():
+            self.finished.set_exception(exception)
+
+    def done(self) -> bool:
+        return self.finished.done()
+
+    def continue_from(self, result: PassResult) -> None:
+        """Submit the steps that follow `result` (lock held) until one has to wait for the
+        driver, or the caller's rule says stop."""
+        try:
+            while (request := self._next_step(result)) is not None:
+                served = self._engine._submit(self._run_id, self._context_id, request, self)
+                if served is None:
+                    return
+                result = served
+        except BaseException as exc:  # HostError from a refused step, or the rule's own failure
+            self.set_exception(exc)
+            return
+        self.finished.set_result(None)

@@ -5,7 +5,7 @@ blocking and thread-safe, and raises `host.errors.HostError` subclasses on failu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -94,6 +94,16 @@ class Services(Protocol):
         context (its length grows by len(tokens))."""
         ...
 
+    def generate(
+        self, run_id: int, context_id: int, first: PassRequest, next_step: Callable[[PassResult], PassRequest | None]
+    ) -> None:
+        """A chain of passes: `first`, then each request `next_step` makes of the result before
+        it, until it returns None. Blocks until then; raises the `HostError` of a step that
+        failed (the steps before it stay in the context) or whatever `next_step` raised.
+        `next_step` may run on any thread, with engine locks held: it must be quick and must
+        not call back into the services. `generate_by_steps` is the plain implementation."""
+        ...
+
     def load_adapter(self, run_id: int, name: str) -> int: ...
 
     def grammars(self) -> GrammarCompiler:
@@ -101,3 +111,16 @@ class Services(Protocol):
         ...
 
     def end_run(self, run_id: int) -> None: ...
+
+
+def generate_by_steps(
+    services: Services,
+    run_id: int,
+    context_id: int,
+    first: PassRequest,
+    next_step: Callable[[PassResult], PassRequest | None],
+) -> None:
+    """`Services.generate` as a loop of `forward` calls on the caller's thread."""
+    request: PassRequest | None = first
+    while request is not None:
+        request = next_step(services.forward(run_id, context_id, request))

@@ -14,9 +14,9 @@ matches no request.
 
 from __future__ import annotations
 
-import concurrent.futures
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -49,12 +49,23 @@ def shape_of(
     )
 
 
+class Waiter(Protocol):
+    """Who gets a pass's result: a run thread's future, or a host-side generation's chain
+    (`host.engine`). Called with the engine's lock held."""
+
+    def set_result(self, result: PassResult) -> None: ...
+
+    def set_exception(self, exception: BaseException) -> None: ...
+
+    def done(self) -> bool: ...
+
+
 @dataclass(slots=True)
 class StagedPass:
     entry: StagedEntry
     item: PendingPass
     result: PassResult | None = None
-    waiter: concurrent.futures.Future[PassResult] | None = None  # set once a request took it
+    waiter: Waiter | None = None  # set once a request took it
     served_shape: RequestShape | None = None
     is_dispatched: bool = False  # in a pass sent to the driver
     has_next: bool = False  # the context's next step was staged from this one

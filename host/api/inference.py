@@ -29,7 +29,8 @@ from host.errors import HostError
 from host.sandbox import raw_calls
 from host.sandbox.resources import ResourceKind
 from host.sandbox.run_state import RunState, current, current_or_none
-from host.services import PassRequest
+from host.services import PassRequest, PassResult
+from host.text_stream import TextStream
 
 INTERFACE = "inference"
 KIND = ResourceKind.FORWARD_PASS
@@ -211,8 +212,9 @@ def _output_record(spec: OutputSpec, result: OutputResult) -> Record:
     )
 
 
-def _run_pass_raw(run: RunState, builder: PassBuilder) -> list[OutputResult] | str:
-    """Validate and run one pass; the engine's results, or the error the guest gets."""
+def _pass_request(run: RunState, builder: PassBuilder) -> tuple[int, PassRequest] | str:
+    """Validate `builder` and fill its matcher masks: (context id, request), or the error the
+    guest gets. Marks the builder executed."""
     problem = _validate(run, builder) or _apply_matchers(run, builder)
     if problem is not None:
         return problem
@@ -232,9 +234,17 @@ def _run_pass_raw(run: RunState, builder: PassBuilder) -> list[OutputResult] | s
         attention_sinks=builder.sinks,
         has_grammar=bool(builder.matchers),
     )
+    return ctx_value, request
+
+
+def _run_pass_raw(run: RunState, builder: PassBuilder) -> list[OutputResult] | str:
+    """Validate and run one pass; the engine's results, or the error the guest gets."""
+    prepared = _pass_request(run, builder)
+    if isinstance(prepared, str):
+        return prepared
     started_s = time.perf_counter()
     try:
-        return run.services.forward(run.run_id, ctx_value, request).outputs
+        return run.services.forward(run.run_id, *prepared).outputs
     except HostError as exc:  # out of pages, driver errors: the guest decides
         return error_text(exc)
     finally:
@@ -268,6 +278,94 @@ def execute(run: RunState, handle: ResourceAny) -> list[Record] | str:
         return _run_pass(run, builder)
     finally:
         run.check_can_continue()  # a run cancelled while its pass was in flight stops here
+
+
+def _generate_problem(run: RunState, builder: PassBuilder) -> str | None:
+    """Why `builder` cannot be the first step of `generate`, or None."""
+    if builder.submitted is not None:
+        return "this forward pass was submitted: execute it instead"
+    problem = _validate(run, builder)
+    if problem is not None:
+        return problem
+    if len(builder.outputs) != 1 or builder.outputs[0].row != len(builder.tokens) - 1:
+        return "generate needs exactly one output, on the pass's last input row"
+    if builder.outputs[0].probe != Probe.NONE:
+        return "generate reports no probes: execute passes one by one to read logprobs"
+    if builder.positions is not None:
+        return "generate continues the context: explicit positions are not allowed"
+    if builder.mask_rows is not None:
+        return "generate takes no explicit attention rows (an attention window is fine)"
+    return None
+
+
+class _HostLoop:
+    """`forward-pass.generate`'s rule for the next step, run by the engine after each step
+    (on its loop thread, while the guest waits in the host call)."""
+
+    def __init__(self, run: RunState, first: PassBuilder, max_tokens: int, stop: frozenset[int], emit: bool) -> None:
+        self.run = run
+        self.first = first
+        self.spec = first.outputs[0]  # before `_apply_matchers` merges the matcher's mask into it
+        self.matcher_rep = first.matchers.get(self.spec.row)
+        self.max_tokens = max_tokens
+        self.stop = stop
+        self.text = TextStream(run.services.tokenizer) if emit else None
+        self.tokens: list[int] = []
+        self.error: str | None = None
+
+    def next_step(self, result: PassResult) -> PassRequest | None:
+        token = int(result.outputs[0].token)
+        self.tokens.append(token)
+        if self.matcher_rep is not None:
+            matcher = grammar_api.matcher_by_rep(self.run, self.matcher_rep)  # live: the guest waits
+            if not matcher.accept(token):
+                self.error = f"the host sampled token {token}, which the grammar refuses"
+                return None
+            if matcher.is_terminated():
+                return None
+        if token in self.stop:
+            return None
+        if self.text is not None and (piece := self.text.push(token)):
+            self.run.io.emit(piece)
+        if len(self.tokens) >= self.max_tokens or self.run.cancel_requested.is_set() or self.run.remaining_s() <= 0:
+            return None  # a stopped run learns why from `check_can_continue` when the call returns
+        first = self.first
+        step = PassBuilder(
+            first.context_rep,
+            tokens=[token],
+            outputs=[replace(self.spec, row=0)],
+            adapter_id=first.adapter_id,
+            window=first.window,
+            sinks=first.sinks,
+            matchers={} if self.matcher_rep is None else {0: self.matcher_rep},
+        )
+        prepared = _pass_request(self.run, step)
+        if isinstance(prepared, str):
+            self.error = prepared
+            return None
+        return prepared[1]
+
+
+@host_function
+def generate(run: RunState, handle: ResourceAny, max_tokens: int, stop_tokens: list[int], emit_text: bool) -> Record:
+    """`forward-pass.generate`: the plain generation loop, on the host (see the WIT)."""
+    first = _builder(run, handle)
+    problem = _generate_problem(run, first)
+    if problem is not None or max_tokens == 0:
+        return record(tokens=[], error=problem)
+    loop = _HostLoop(run, first, max_tokens, frozenset(stop_tokens), emit_text)
+    prepared = _pass_request(run, first)
+    if isinstance(prepared, str):
+        return record(tokens=[], error=prepared)
+    started_s = time.perf_counter()
+    try:
+        run.services.generate(run.run_id, prepared[0], prepared[1], loop.next_step)
+    except HostError as exc:  # out of pages, driver errors: the guest decides
+        loop.error = error_text(exc)
+    finally:
+        run.forward_wait_s += time.perf_counter() - started_s
+    run.check_can_continue()  # cancelled or out of time while generating: the run stops here
+    return record(tokens=loop.tokens, error=loop.error)
 
 
 def decode(run: RunState, ctx_rep: int, tokens: list[int], sampler: Sampler) -> int | str:
@@ -334,6 +432,7 @@ def register(instance: LinkerInstance) -> None:
     instance.add_func("[method]forward-pass.use-matcher", use_matcher)
     instance.add_func("[method]forward-pass.submit", submit)
     instance.add_func("[method]forward-pass.execute", execute)
+    instance.add_func("[method]forward-pass.generate", generate)
     if USE_RAW_DECODE:
         raw_calls.add_raw_func(instance, "decode", _decode_raw)
     else:

@@ -14,6 +14,11 @@ def parse(args: list[str]):
     parser.add_argument(
         "--ignore-eos", action="store_true", help="generate --max-tokens tokens even past stop tokens (benchmarks)"
     )
+    parser.add_argument(
+        "--per-token",
+        action="store_true",
+        help="run the generation loop in the inferlet, one host call per token, instead of on the host",
+    )
     return parser.parse_args(args)
 
 
@@ -24,5 +29,8 @@ def main(args: list[str]) -> None:
     with Context() as ctx:
         ctx.fill(prompt)
         stop = [] if opts.ignore_eos else None
+        if not opts.per_token:
+            ctx.complete(max_tokens=opts.max_tokens, stop=stop, sampler=sampler, emit_text=True)
+            return
         for piece in ctx.generate_text(max_tokens=opts.max_tokens, stop=stop, sampler=sampler):
             emit(piece)

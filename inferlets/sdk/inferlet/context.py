@@ -323,6 +323,36 @@ class Context:
                 return
             yield token
 
+    def complete(
+        self,
+        max_tokens: int,
+        stop: Iterable[int] | None = None,
+        sampler: Sampler = GREEDY,
+        grammar: Grammar | None = None,
+        emit_text: bool = False,
+    ) -> list[int]:
+        """`generate` in one call: the host runs the whole loop, so the inferlet pays one
+        boundary crossing instead of one per token. Returns the tokens `generate` would have
+        yielded (the token that ended generation is appended to the context but not returned).
+        With `emit_text`, the host streams their text to the run's output as it goes, like
+        `emit` on each piece of `generate_text`. For per-token logic (stop strings, logprobs,
+        choosing among candidates), use `generate` or `decode_step`."""
+        if max_tokens <= 0:
+            return []
+        stop_list = [int(t) for t in (model_info().stop_tokens if stop is None else stop)]
+        matcher = grammar.matcher() if grammar is not None else None
+        with self._pending_pass(sampler, _NO_PROBE, 0, matcher=matcher) as fp:
+            result = fp.generate(max_tokens, stop_list, emit_text)
+        if result.tokens:
+            self._tokens.extend(result.tokens)
+            self._committed = len(self._tokens) - 1  # the last sampled token is pending
+        if result.error is not None:
+            raise InferenceError(result.error)
+        tokens = list(result.tokens)
+        if tokens and (tokens[-1] in stop_list or (matcher is not None and matcher.is_terminated())):
+            tokens.pop()  # the token that ended generation
+        return tokens
+
     def generate_text(
         self,
         max_tokens: int,

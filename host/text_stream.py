@@ -1,0 +1,31 @@
+"""Incremental detokenization on the host: turn a token stream into text pieces that are safe to
+send. The host's twin of the SDK's `inferlet.TextDecoder` (the guest cannot import host code),
+used when the host streams a generation's text itself (`forward-pass.generate`)."""
+
+from __future__ import annotations
+
+from host.services import Tokenizer
+
+
+class TextStream:
+    """Feed tokens one at a time; get back the text they add. A piece that ends inside a
+    multi-byte character is held back until the character is complete; a few tokens of left
+    context are kept so tokenizers that merge across token boundaries decode as in one piece."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._tokens: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def push(self, token: int) -> str:
+        self._tokens.append(token)
+        decode = self._tokenizer.decode
+        prefix = decode(self._tokens[self._prefix_offset : self._read_offset])
+        full = decode(self._tokens[self._prefix_offset :])
+        if full.endswith("\ufffd") or len(full) < len(prefix):
+            return ""  # a character is still incomplete: wait for the tokens that finish it
+        # Advance even past a token with no text (a special token), so the window stays small.
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        return full[len(prefix) :]

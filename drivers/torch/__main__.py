@@ -11,6 +11,7 @@ from drivers.errors import ConfigRejected
 from drivers.serve import add_serve_arguments, configure_logging, serve_forever
 from drivers.torch.checkpoint import load_checkpoint
 from drivers.torch.driver import DTYPES, DriverOptions, TorchDriver
+from drivers.torch.quantize import WEIGHT_KINDS
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -20,7 +21,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or a Hugging Face directory")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPES))
-    parser.add_argument("--weights", default="dense", choices=["dense", "int8"], help="int8: weight-only, bf16/fp16")
+    parser.add_argument(
+        "--weights",
+        default="dense",
+        choices=WEIGHT_KINDS,
+        help="int8: weight-only, bf16/fp16; w8a8: int8 weights and per-row int8 activations in the matmuls",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="CPU: compile each layer with torch.compile at startup (tens of seconds the first time)",
+    )
     parser.add_argument("--page-size", type=int, default=d.page_size, help="used when the host asks for 0")
     parser.add_argument("--num-pages", type=int, default=d.num_pages, help="used when the host asks for 0")
     parser.add_argument("--max-requests-per-pass", type=int, default=d.max_requests_per_pass)
@@ -42,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         max_tokens_per_pass=args.max_tokens_per_pass,
         seed=args.seed,
         weights=args.weights,
+        compile=args.compile,
     )
     try:
         driver = TorchDriver(load_checkpoint(args.model), options)

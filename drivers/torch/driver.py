@@ -11,18 +11,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bridge_schema.batch import OutputSpec, RequestSpec, build_forward
 from bridge_schema.config_rules import check_prefix_match_unit
 from bridge_schema.errors import ConfigError
 from bridge_schema.messages import DEFERRED_TOKENS, Adapter, Copy, Forward, ForwardResult, Handshake, Hello
 from drivers.errors import ConfigRejected, RequestRejected
 from drivers.torch.batch_plan import CacheLimits, PassPlan, build_plan
 from drivers.torch.checkpoint import Checkpoint
+from drivers.torch.compiled import PAD_TO, CompiledModel
 from drivers.torch.cpu_layout import transpose_linears
 from drivers.torch.fusion import fuse_projections
 from drivers.torch.kv_cache import PagedKVCache
 from drivers.torch.lora import LoraBatch, LoraWeights, load_peft
 from drivers.torch.model import Transformer, rope_inv_freq
 from drivers.torch.paged_attention import PagedAttention
+from drivers.torch.progress import Progress
 from drivers.torch.quantize import quantize_int8
 from drivers.torch.sampling import sample
 
@@ -40,7 +43,11 @@ class DriverOptions:
     max_mask_bytes: int = 64 * 1024 * 1024
     max_probe_k: int = 20
     seed: int = 0
-    weights: str = "dense"  # "dense" (the activation dtype) or "int8" (weight-only, bf16/fp16 only)
+    # "dense" (the activation dtype), "int8" (weight-only, bf16/fp16 only) or "w8a8" (int8 weights
+    # and per-row int8 activations in the matmuls): see `quantize.py`.
+    weights: str = "dense"
+    # Compile each layer with torch.compile (CPU only; see `compiled.py`); compiles at the handshake.
+    compile: bool = False
 
 
 def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> Transformer:
@@ -78,13 +85,16 @@ class TorchDriver:
         self.device = torch.device(options.device)
         self.dtype = DTYPES[options.dtype]
         self.model = fuse_projections(build_model(ckpt, self.device, self.dtype))
-        if options.weights == "int8":
-            self.model = quantize_int8(self.model)
-        elif options.weights != "dense":
-            raise ConfigRejected(f"weights must be 'dense' or 'int8', got {options.weights!r}", "weights")
+        if options.weights != "dense":
+            self.model = quantize_int8(self.model, options.weights)
         elif self.device.type == "cpu" and self.dtype == torch.float32:
             self.model = transpose_linears(self.model)
         self.use_triton = self.device.type == "cuda"
+        self.compiled: CompiledModel | None = None
+        if options.compile:
+            if self.device.type != "cpu":
+                raise ConfigRejected("--compile is implemented for the CPU only", "compile")
+            self.compiled = CompiledModel(self.model)
         self.cache: PagedKVCache | None = None
         self.limits: CacheLimits | None = None
         self.adapters: dict[int, LoraWeights] = {}
@@ -109,8 +119,13 @@ class TorchDriver:
             self.cache = PagedKVCache(
                 cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
             )
+            fresh = True
+        else:
+            fresh = False
         max_context = min(cfg.max_position, num_pages * page_size)
         self.limits = CacheLimits(page_size, num_pages, cfg.vocab_size, max_context, o.max_probe_k)
+        if fresh and self.compiled is not None:
+            self._warm_up()  # the new pages hold nothing yet, so the warm-up may write into them
         tok = self.ckpt.tokenizer
         return Handshake(
             driver_kind="torch",
@@ -171,12 +186,30 @@ class TorchDriver:
         if bad:
             raise RequestRejected(f"adapter {bad[0]} is not loaded", "adapter_ids")
         plan = build_plan(request, self.limits, self.device)
-        attend = PagedAttention(self.cfg, self.cache, plan, self.use_triton)
         lora = None
         if np.any(request.adapter_ids >= 0):
             token_adapter = np.repeat(request.adapter_ids.astype(np.int64), plan.num_q_np)
             lora = LoraBatch(self.adapters, token_adapter, self.device)
+        if self.compiled is not None and lora is None:
+            attend = PagedAttention(self.cfg, self.cache, plan, self.use_triton, pad_to=PAD_TO)
+            return plan, self.compiled(plan.tokens, plan.positions, attend, plan.out_tokens)
+        attend = PagedAttention(self.cfg, self.cache, plan, self.use_triton)
         return plan, self.model(plan.tokens, plan.positions, attend, plan.out_tokens, lora)
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Compile the graphs every later pass uses (one token; any other sizes) before serving,
+        with passes over the first slots of the freshly allocated pages."""
+        assert self.limits is not None
+        ps, capacity = self.limits.page_size, min(self.limits.num_pages * self.limits.page_size, 3)
+        progress = Progress("compiling the model (cached on disk for the next start)", 2)
+        progress.update(0)
+        for step, n in enumerate((1, capacity)):
+            pages = list(range((n + ps - 1) // ps))
+            outputs = [OutputSpec(row) for row in range(n)]
+            spec = RequestSpec(0, [0] * n, list(range(n)), pages, n - (len(pages) - 1) * ps, outputs)
+            self._run(build_forward(0, [spec]))
+            progress.update(step + 1)
 
     @torch.inference_mode()
     def copy(self, request: Copy) -> None:

@@ -5,6 +5,7 @@ Hugging Face's so a checkpoint's state dict loads as is."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Protocol
@@ -17,6 +18,7 @@ from drivers.torch.config import ModelConfig
 
 # attend(layer, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, H, D]: stores k/v, attends.
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, D]
 
 
 class LoraDelta(Protocol):
@@ -143,6 +145,81 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+# The LoRA delta of one layer: (projection name, input rows) -> delta or None.
+LayerLora = Callable[[str, torch.Tensor], torch.Tensor | None]
+
+
+def _proj(lin: nn.Module, name: str, x: torch.Tensor, lora: LayerLora | None) -> torch.Tensor:
+    y: torch.Tensor = lin(x)
+    if lora is not None:
+        delta = lora(name, x)
+        if delta is not None:
+            y = y + delta
+    return y
+
+
+def _fused(
+    fused: nn.Module, names: tuple[str, ...], sizes: tuple[int, ...], h: torch.Tensor, lora: LayerLora | None
+) -> list[torch.Tensor]:
+    parts = list(fused(h).split(sizes, dim=-1))
+    if lora is not None:
+        deltas = [lora(name, h) for name in names]
+        parts = [p if d is None else p + d for p, d in zip(parts, deltas, strict=True)]
+    return parts
+
+
+def attention_inputs(
+    cfg: ModelConfig, block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lora: LayerLora | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The dense work of a layer before attention: norm, q/k/v projections, q/k norms, RoPE."""
+    attn, n = block.self_attn, x.shape[0]
+    h = block.input_layernorm(x)
+    names = ("q_proj", "k_proj", "v_proj")
+    if attn.qkv is None:
+        q, k, v = (_proj(getattr(attn, name), name, h, lora) for name in names)
+    else:
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = _fused(attn.qkv, names, (q_size, kv_size, kv_size), h, lora)
+    q = q.reshape(n, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attention_output(
+    cfg: ModelConfig, block: Block, x: torch.Tensor, o: torch.Tensor, lora: LayerLora | None
+) -> torch.Tensor:
+    """The dense work of a layer after attention: output projection, residuals, norms, MLP."""
+    gemma = cfg.arch == "gemma"
+    o = _proj(block.self_attn.o_proj, "o_proj", o.reshape(x.shape[0], cfg.num_heads * cfg.head_dim), lora)
+    if gemma:
+        x = x + block.post_attention_layernorm(o)
+        h = block.pre_feedforward_layernorm(x)
+    else:
+        x = x + o
+        h = block.post_attention_layernorm(x)
+    mlp = block.mlp
+    if mlp.gate_up is None:
+        gate, up = _proj(mlp.gate_proj, "gate_proj", h, lora), _proj(mlp.up_proj, "up_proj", h, lora)
+    else:
+        size = cfg.intermediate_size
+        gate, up = _fused(mlp.gate_up, ("gate_proj", "up_proj"), (size, size), h, lora)
+    act = F.gelu(gate, approximate="tanh") if gemma else F.silu(gate)
+    m = _proj(mlp.down_proj, "down_proj", act * up, lora)
+    return x + (block.post_feedforward_layernorm(m) if gemma else m)
+
+
+def output_logits(cfg: ModelConfig, norm: RMSNorm, head: nn.Module | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Final norm and output head (a module, or the weight of a plain linear), float32 logits."""
+    x = norm(x)
+    logits = (F.linear(x, head) if isinstance(head, torch.Tensor) else head(x)).float()
+    if cfg.final_logit_softcap:
+        logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
+    return logits
+
+
 class Transformer(nn.Module):
     """`forward(tokens, positions, attend, rows, lora)` -> logits of the selected `rows` only."""
 
@@ -166,46 +243,19 @@ class Transformer(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.cfg.tie_embeddings else self.lm_head.weight
 
-    def _proj(self, lin: nn.Module, layer: int, name: str, x: torch.Tensor, lora: LoraDelta | None) -> torch.Tensor:
-        y: torch.Tensor = lin(x)
-        if lora is not None:
-            delta = lora(layer, name, x)
-            if delta is not None:
-                y = y + delta
-        return y
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Rope, Rope]:
+        """Token embeddings and the RoPE (cos, sin) of full-attention and of windowed layers."""
+        cfg = self.cfg
+        x = self.model.embed_tokens(tokens)
+        if cfg.arch == "gemma":  # Gemma scales embeddings by sqrt(hidden), rounded to the activation dtype
+            x = x * torch.tensor(math.sqrt(cfg.hidden_size), dtype=x.dtype)
+        rope = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        has_local = any(w > 0 for w in cfg.layer_windows)
+        return x, rope, rope_cos_sin(self.inv_freq_local, positions, x.dtype) if has_local else rope
 
-    def _qkv(
-        self, attn: Attention, layer: int, h: torch.Tensor, lora: LoraDelta | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        cfg, n = self.cfg, h.shape[0]
-        names = ("q_proj", "k_proj", "v_proj")
-        if attn.qkv is None:
-            parts = [self._proj(getattr(attn, name), layer, name, h, lora) for name in names]
-        else:
-            q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-            parts = list(attn.qkv(h).split((q_size, kv_size, kv_size), dim=-1))
-            if lora is not None:
-                deltas = [lora(layer, name, h) for name in names]
-                parts = [p if d is None else p + d for p, d in zip(parts, deltas, strict=True)]
-        q, k, v = parts
-        return (
-            q.reshape(n, cfg.num_heads, cfg.head_dim),
-            k.reshape(n, cfg.num_kv_heads, cfg.head_dim),
-            v.reshape(n, cfg.num_kv_heads, cfg.head_dim),
-        )
-
-    def _gate_up(
-        self, mlp: MLP, layer: int, h: torch.Tensor, lora: LoraDelta | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if mlp.gate_up is None:
-            gate = self._proj(mlp.gate_proj, layer, "gate_proj", h, lora)
-            return gate, self._proj(mlp.up_proj, layer, "up_proj", h, lora)
-        gate, up = mlp.gate_up(h).chunk(2, dim=-1)
-        if lora is not None:
-            dg, du = lora(layer, "gate_proj", h), lora(layer, "up_proj", h)
-            gate = gate if dg is None else gate + dg
-            up = up if du is None else up + du
-        return gate, up
+    def head(self) -> nn.Module | torch.Tensor:
+        """The output projection: a module, or the weight of a plain linear (tied or not)."""
+        return self.output_head if self.output_head is not None else self.output_weight()
 
     def forward(
         self,
@@ -216,38 +266,10 @@ class Transformer(nn.Module):
         lora: LoraDelta | None = None,
     ) -> torch.Tensor:
         cfg = self.cfg
-        gemma = cfg.arch == "gemma"
-        x = self.model.embed_tokens(tokens)
-        if gemma:  # Gemma scales embeddings by sqrt(hidden), rounded to the activation dtype
-            x = x * torch.tensor(math.sqrt(cfg.hidden_size), dtype=x.dtype)
-        n = tokens.shape[0]
-        cos_g, sin_g = rope_cos_sin(self.inv_freq, positions, x.dtype)
-        cos_l, sin_l = rope_cos_sin(self.inv_freq_local, positions, x.dtype)
+        x, rope_full, rope_local = self.embed(tokens, positions)
         for i, block in enumerate(self.model.blocks()):
-            attn = block.self_attn
-            h = block.input_layernorm(x)
-            q, k, v = self._qkv(attn, i, h, lora)
-            if cfg.qk_norm:
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            local = cfg.window(i) > 0
-            cos, sin = (cos_l, sin_l) if local else (cos_g, sin_g)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            o = attend(i, q, k, v).reshape(n, cfg.num_heads * cfg.head_dim)
-            o = self._proj(attn.o_proj, i, "o_proj", o, lora)
-            if gemma:
-                x = x + block.post_attention_layernorm(o)
-                h = block.pre_feedforward_layernorm(x)
-            else:
-                x = x + o
-                h = block.post_attention_layernorm(x)
-            mlp = block.mlp
-            gate, up = self._gate_up(mlp, i, h, lora)
-            act = F.gelu(gate, approximate="tanh") if gemma else F.silu(gate)
-            m = self._proj(mlp.down_proj, i, "down_proj", act * up, lora)
-            x = x + (block.post_feedforward_layernorm(m) if gemma else m)
-        x = self.model.norm(x[rows])
-        head = self.output_head
-        logits = (head(x) if head is not None else F.linear(x, self.output_weight())).float()
-        if cfg.final_logit_softcap:
-            logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
-        return logits
+            layer_lora = None if lora is None else functools.partial(lora, i)
+            cos, sin = rope_local if cfg.window(i) > 0 else rope_full
+            q, k, v = attention_inputs(cfg, block, x, cos, sin, layer_lora)
+            x = attention_output(cfg, block, x, attend(i, q, k, v), layer_lora)
+        return output_logits(cfg, self.model.norm, self.head(), x[rows])

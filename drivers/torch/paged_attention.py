@@ -1,10 +1,14 @@
 """The `Attend` callable the model calls once per layer: store the new tokens' K/V in the paged
 cache, then attend through the backend chosen by device (plain torch on the CPU, Triton on CUDA).
-Owns the per-layer choice of attention family (full or windowed)."""
+Owns the per-layer choice of attention family (full or windowed), and the tensors one layer's
+CPU attention reads (`LayerKeys`), which the compiled path passes into its compiled layer."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 
 from drivers.torch.attention_ref import masked_attention
 from drivers.torch.batch_plan import PassPlan, family_keys
@@ -12,20 +16,60 @@ from drivers.torch.config import ModelConfig
 from drivers.torch.kv_cache import PagedKVCache
 
 
+class LayerKeys(NamedTuple):
+    """Everything CPU attention of one layer reads besides q, k, v (all tensors: a compiled layer
+    takes it as an argument)."""
+
+    k_cache: torch.Tensor  # [S, Hkv, D] this layer's pages
+    v_cache: torch.Tensor
+    slots: torch.Tensor  # [T] where each new token's k/v goes
+    q_index: torch.Tensor  # [B, Tq] flat token of each padded query
+    key_index: torch.Tensor  # [B, K] cache slot of each key
+    mask: torch.Tensor  # [B, Tq, K] bool, empty rows opened to every key
+    empty: torch.Tensor  # [B, Tq] rows that attend to nothing (zeroed)
+    valid: torch.Tensor  # [T] row of each token in the flattened [B * Tq] layout
+
+
+def attend_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: LayerKeys, scale: float) -> torch.Tensor:
+    """Write k/v [T, Hkv, D] into the cache, attend q [T, H, D] over the keys -> [T, H, D]."""
+    keys.k_cache.index_copy_(0, keys.slots, k.to(keys.k_cache.dtype))
+    keys.v_cache.index_copy_(0, keys.slots, v.to(keys.v_cache.dtype))
+    out = masked_attention(
+        q[keys.q_index],
+        keys.k_cache[keys.key_index],
+        keys.v_cache[keys.key_index].to(q.dtype),
+        keys.mask,
+        scale,
+        keys.empty,
+    )
+    return out.reshape(-1, *q.shape[1:])[keys.valid]
+
+
+_FamilyTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 class PagedAttention:
-    def __init__(self, cfg: ModelConfig, cache: PagedKVCache, plan: PassPlan, use_triton: bool) -> None:
+    """`pad_to=2` pads the batch, query and key dimensions of every layout to at least 2 (padding is
+    masked out) so that a compiled layer never sees a size-1 dimension there and needs no extra
+    graphs for them; the token dimension is never padded."""
+
+    def __init__(
+        self, cfg: ModelConfig, cache: PagedKVCache, plan: PassPlan, use_triton: bool, pad_to: int = 1
+    ) -> None:
         self.cfg = cfg
         self.cache = cache
         self.plan = plan
         self.use_triton = use_triton
+        self.pad_to = pad_to
+        self._families: dict[int, _FamilyTensors] = {}
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        plan, cache = self.plan, self.cache
-        cache.write(layer, plan.slots, k, v)
-        window = self.cfg.window(layer)
         if self.use_triton:
             from drivers.torch.attention_triton import paged_attention
 
+            plan, cache = self.plan, self.cache
+            cache.write(layer, plan.slots, k, v)
+            window = self.cfg.window(layer)
             return paged_attention(
                 q,
                 cache.k[layer],
@@ -36,8 +80,28 @@ class PagedAttention:
                 window,
                 self.cfg.num_sink_tokens if window else 0,
             )
-        fam = family_keys(plan, window, self.cfg.num_sink_tokens, cache.page_size)
-        keys, values = cache.gather(layer, fam.key_index)
-        qp = q[plan.q_index]  # [B, Tq, H, D]
-        out = masked_attention(qp, keys, values.to(q.dtype), fam.safe_mask, self.cfg.scale, fam.empty)
-        return out[plan.q_valid]  # padded rows dropped; valid rows are in flat token order
+        return attend_keys(q, k, v, self.layer_keys(layer), self.cfg.scale)
+
+    def layer_keys(self, layer: int) -> LayerKeys:
+        window = self.cfg.window(layer)
+        if window not in self._families:
+            self._families[window] = self._family_tensors(window)
+        cache = self.cache
+        return LayerKeys(cache.k[layer], cache.v[layer], self.plan.slots, *self._families[window])
+
+    def _family_tensors(self, window: int) -> _FamilyTensors:
+        plan = self.plan
+        fam = family_keys(plan, window, self.cfg.num_sink_tokens, self.cache.page_size)
+        q_index, key_index, mask, empty = plan.q_index, fam.key_index, fam.safe_mask, fam.empty
+        (b, tq), num_keys, n = q_index.shape, key_index.shape[1], self.pad_to
+        pad_b, pad_q, pad_k = max(n - b, 0), max(n - tq, 0), max(n - num_keys, 0)
+        if pad_b or pad_q or pad_k:
+            q_index = F.pad(q_index, (0, pad_q, 0, pad_b))
+            key_index = F.pad(key_index, (0, pad_k, 0, pad_b))
+            empty = F.pad(empty, (0, pad_q, 0, pad_b), value=True)
+            mask = F.pad(mask, (0, pad_k, 0, pad_q, 0, pad_b), value=False) | empty[..., None]
+        width = q_index.shape[1]
+        valid = (torch.arange(b, device=q_index.device)[:, None] * width + torch.arange(tq, device=q_index.device))[
+            plan.q_valid
+        ]
+        return q_index, key_index, mask, empty, valid

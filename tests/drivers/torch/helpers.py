@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
 from bridge_schema.batch import OutputSpec, RequestSpec, Sampler, build_forward
 from bridge_schema.messages import Forward, Hello
@@ -170,6 +171,32 @@ def _randomize(model: torch.nn.Module) -> None:
                 p.copy_(torch.randn_like(p) * 0.3 + (0.0 if "Gemma" in type(model).__name__ else 1.0))
             else:
                 p.copy_(torch.randn_like(p) * 0.15)
+
+
+LORA_TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
+
+
+def write_adapter(
+    path: Path, ckpt: Checkpoint, seed: int, rank: int = 4, alpha: float = 8.0
+) -> dict[str, torch.Tensor]:
+    """Writes a PEFT adapter; returns the merged deltas (scale * B @ A) by weight name."""
+    g = torch.Generator().manual_seed(seed)
+    tensors, deltas = {}, {}
+    for layer in range(ckpt.cfg.num_layers):
+        for proj in LORA_TARGETS:
+            part = "mlp" if proj == "down_proj" else "self_attn"
+            name = f"model.layers.{layer}.{part}.{proj}.weight"
+            out_dim, in_dim = ckpt.state[name].shape
+            a = torch.randn(rank, in_dim, generator=g) * 0.2
+            b = torch.randn(out_dim, rank, generator=g) * 0.2
+            prefix = f"base_model.model.model.layers.{layer}.{part}.{proj}"
+            tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a, b
+            deltas[name] = (alpha / rank) * b @ a
+    path.mkdir(parents=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": LORA_TARGETS}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return deltas
 
 
 def load_dir(path: Path) -> Checkpoint:

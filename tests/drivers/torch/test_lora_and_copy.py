@@ -4,41 +4,22 @@ each request with its own, each equal to a model with that adapter merged into i
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from bridge_schema.messages import Adapter, Copy
 from drivers.torch.checkpoint import Checkpoint
-from tests.drivers.torch.helpers import forward, load_dir, make_driver, random_tokens, request, write_tiny_llama
-
-TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
-
-
-def _write_adapter(
-    path: Path, ckpt: Checkpoint, seed: int, rank: int = 4, alpha: float = 8.0
-) -> dict[str, torch.Tensor]:
-    """Writes a PEFT adapter; returns the merged deltas (scale * B @ A) by weight name."""
-    g = torch.Generator().manual_seed(seed)
-    tensors, deltas = {}, {}
-    for layer in range(ckpt.cfg.num_layers):
-        for proj in TARGETS:
-            part = "mlp" if proj == "down_proj" else "self_attn"
-            name = f"model.layers.{layer}.{part}.{proj}.weight"
-            out_dim, in_dim = ckpt.state[name].shape
-            a = torch.randn(rank, in_dim, generator=g) * 0.2
-            b = torch.randn(out_dim, rank, generator=g) * 0.2
-            prefix = f"base_model.model.model.layers.{layer}.{part}.{proj}"
-            tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a, b
-            deltas[name] = (alpha / rank) * b @ a
-    path.mkdir(parents=True)
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": TARGETS}
-    (path / "adapter_config.json").write_text(json.dumps(config))
-    return deltas
+from tests.drivers.torch.helpers import (
+    forward,
+    load_dir,
+    make_driver,
+    random_tokens,
+    request,
+    write_adapter,
+    write_tiny_llama,
+)
 
 
 def _merged(ckpt: Checkpoint, deltas: dict[str, torch.Tensor]) -> Checkpoint:
@@ -48,7 +29,7 @@ def _merged(ckpt: Checkpoint, deltas: dict[str, torch.Tensor]) -> Checkpoint:
 
 def test_several_adapters_in_one_batch(tmp_path: Path) -> None:
     base = load_dir(write_tiny_llama(tmp_path / "m"))
-    deltas = {i: _write_adapter(tmp_path / f"a{i}", base, seed=i) for i in (1, 2)}
+    deltas = {i: write_adapter(tmp_path / f"a{i}", base, seed=i) for i in (1, 2)}
     drv = make_driver(base, page_size=4, num_pages=32)
     for i in (1, 2):
         drv.adapter(Adapter(op="load", adapter_id=i, path=str(tmp_path / f"a{i}")))

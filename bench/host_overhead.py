@@ -29,7 +29,7 @@ from host.engine import Engine
 from host.sandbox.config import SandboxConfig, default_cache_dir
 from host.sandbox.sandbox import Sandbox
 
-CONFIGS = ((1, 300), (8, 80), (64, 30))  # (concurrent runs, tokens per run)
+CONFIGS = ((1, 300), (8, 150), (64, 100))  # (concurrent runs, tokens per run)
 LOOPS = {"host": [], "guest": ["--per-token"]}  # where the generation loop runs
 # Runs pass --ignore-eos: the dummy's uniform draws hit a stop token about once in 130 steps.
 DRIVER_ARGS = ["--num-pages", "16384"]

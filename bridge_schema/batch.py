@@ -63,11 +63,15 @@ class RequestSpec:
     # True: the first token is the one the driver last sampled for this context (`tokens[0]` is
     # sent as 0; see `Forward`); needs the driver's "deferred_tokens" capability.
     deferred: bool = False
+    # More than 1: a multi-step request (one token, one output per step on rows 0..steps-1; see
+    # `Forward`); needs the driver's "multi_step" capability.
+    steps: int = 1
 
 
 _NO_IDS: npt.NDArray[np.uint32] = np.zeros(0, np.uint32)
 _NO_LOGPROBS: npt.NDArray[np.float32] = np.zeros(0, np.float32)
-_NO_IDS.flags.writeable = _NO_LOGPROBS.flags.writeable = False
+_NO_STEPS: npt.NDArray[np.uint32] = np.zeros(0, np.uint32)
+_NO_IDS.flags.writeable = _NO_LOGPROBS.flags.writeable = _NO_STEPS.flags.writeable = False
 
 
 @dataclass(slots=True)
@@ -150,6 +154,9 @@ def build_forward(request_id: int, requests: Sequence[RequestSpec]) -> Forward:
         out_indptr=_indptr(n_outputs),
         logit_masks=_cat(masks, np.uint32),
         deferred=np.array([i for i, r in enumerate(requests) if r.deferred], dtype=np.uint32),
+        steps=np.array([r.steps for r in requests], dtype=np.uint32)
+        if any(r.steps != 1 for r in requests)
+        else _NO_STEPS,
         **per_output,
     )
 

@@ -14,6 +14,7 @@ import numpy.typing as npt
 from bridge_schema.errors import FieldError, RangeError, ShapeError
 from bridge_schema.limits import Limits
 from bridge_schema.messages import (
+    MAX_DECODE_STEPS,
     Adapter,
     Copy,
     Forward,
@@ -106,11 +107,41 @@ def check_forward(f: Forward, limits: Limits | None) -> None:
         _counts("mask_row_indptr", f.mask_row_indptr, len(f.mask_row_indptr) - 1, len(f.mask_runs))
     elif f.mask_row_indptr[0] != 0 or len(f.mask_runs):
         _counts("mask_row_indptr", f.mask_row_indptr, 0, len(f.mask_runs))
-    _check_outputs(f, n_tokens, n_out)
+    # Rows a request may sample: its tokens, plus the inputs of a multi-step request's later steps.
+    n_inputs = n_tokens if not len(f.steps) else _check_steps(f, n_tokens, n_rows, n_out)
+    _check_outputs(f, n_inputs, n_out)
     if len(f.deferred):
         _check_deferred(f, n_tokens)
     if limits is not None:
-        _check_limits(f, limits, n_tokens, n_pages, n_rows)
+        _check_limits(f, limits, n_inputs, n_pages, n_rows)
+
+
+def _check_steps(
+    f: Forward, n_tokens: npt.NDArray[np.int64], n_rows: npt.NDArray[np.int64], n_out: npt.NDArray[np.int64]
+) -> npt.NDArray[np.int64]:
+    """Multi-step requests are plain decode steps; returns the rows each request spans."""
+    if len(f.steps) != len(n_tokens):
+        raise ShapeError(f"has {len(f.steps)} entries for {len(n_tokens)} requests", "steps")
+    steps = f.steps.astype(np.int64)
+    if steps.min() < 1 or steps.max() > MAX_DECODE_STEPS:
+        raise RangeError(f"a request runs 1 to {MAX_DECODE_STEPS} steps", "steps")
+    multi = steps > 1
+    if (n_tokens[multi] != 1).any():
+        raise ShapeError("a multi-step request has exactly one input token", "steps")
+    if (n_rows[multi] != 0).any():
+        raise ShapeError("a multi-step request has no attention mask rows", "mask_req_indptr")
+    if (n_out[multi] != steps[multi]).any():
+        raise ShapeError("a multi-step request has one output row per step", "out_indptr")
+    # Outputs of multi-step requests: rows 0..N-1 (strictly increasing, checked with the rest),
+    # no probes and no logit masks.
+    of_multi = np.repeat(multi, n_out)
+    if len(f.probe) != len(of_multi) or len(f.logit_mask_index) != len(of_multi):
+        return n_tokens + steps - 1  # misshaped outputs: `_check_outputs` names the field
+    if (f.probe[of_multi] != 0).any():
+        raise ShapeError("multi-step outputs carry no probes", "probe")
+    if (f.logit_mask_index[of_multi] != -1).any():
+        raise ShapeError("multi-step outputs carry no logit mask", "logit_mask_index")
+    return n_tokens + steps - 1
 
 
 def _check_deferred(f: Forward, n_tokens: npt.NDArray[np.int64]) -> None:
@@ -125,15 +156,15 @@ def _check_deferred(f: Forward, n_tokens: npt.NDArray[np.int64]) -> None:
         raise RangeError("a deferred request's first token is sent as 0", "tokens")
 
 
-def _check_outputs(f: Forward, n_tokens: npt.NDArray[np.int64], n_out: npt.NDArray[np.int64]) -> None:
+def _check_outputs(f: Forward, n_inputs: npt.NDArray[np.int64], n_out: npt.NDArray[np.int64]) -> None:
     o = len(f.out_rows)
     for name in _PER_OUTPUT:
         if len(getattr(f, name)) != o:
             raise ShapeError(f"has {len(getattr(f, name))} entries for {o} output rows", name)
     if o == 0:
         return
-    request_of = np.repeat(np.arange(len(n_tokens)), n_out)
-    if (f.out_rows >= n_tokens[request_of]).any():
+    request_of = np.repeat(np.arange(len(n_inputs)), n_out)
+    if (f.out_rows >= n_inputs[request_of]).any():
         raise RangeError("an output row is past its request's tokens", "out_rows")
     if o > 1:
         same_request = request_of[1:] == request_of[:-1]
@@ -141,9 +172,7 @@ def _check_outputs(f: Forward, n_tokens: npt.NDArray[np.int64], n_out: npt.NDArr
             raise ShapeError("rows of one request must be strictly increasing", "out_rows")
     # One combined test on the fast path; the per-field tests below only run to name the field.
     # Written so that NaN fails every comparison.
-    temperature_ok = ((f.temperature > 0) & (f.temperature < np.inf)) | (
-        (f.temperature == 0) & (f.sampler == _GREEDY)
-    )
+    temperature_ok = ((f.temperature > 0) & (f.temperature < np.inf)) | ((f.temperature == 0) & (f.sampler == _GREEDY))
     ok = (
         (f.sampler <= _MAX_SAMPLER)
         & temperature_ok
@@ -174,7 +203,7 @@ def _check_outputs(f: Forward, n_tokens: npt.NDArray[np.int64], n_out: npt.NDArr
 def _check_limits(
     f: Forward,
     lim: Limits,
-    n_tokens: npt.NDArray[np.int64],
+    n_inputs: npt.NDArray[np.int64],
     n_pages: npt.NDArray[np.int64],
     n_rows: npt.NDArray[np.int64],
 ) -> None:
@@ -191,9 +220,9 @@ def _check_limits(
     if int(f.last_page_len.max()) > lim.page_size:
         raise RangeError(f"{int(f.last_page_len.max())} > page size {lim.page_size}", "last_page_len")
     kv_len = (n_pages - 1) * lim.page_size + f.last_page_len.astype(np.int64)
-    if (kv_len < n_tokens).any():
-        bad = int(np.argmax(kv_len < n_tokens))
-        raise ShapeError(f"request {bad} has {int(kv_len[bad])} KV slots for {int(n_tokens[bad])} tokens", "pages")
+    if (kv_len < n_inputs).any():
+        bad = int(np.argmax(kv_len < n_inputs))
+        raise ShapeError(f"request {bad} has {int(kv_len[bad])} KV slots for {int(n_inputs[bad])} tokens", "pages")
     mask_bytes = 4 * (len(f.mask_runs) + len(f.logit_masks))
     if mask_bytes > lim.max_mask_bytes:
         raise RangeError(f"{mask_bytes} mask bytes exceed the limit {lim.max_mask_bytes}", "mask_runs")

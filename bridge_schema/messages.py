@@ -101,6 +101,11 @@ class Handshake(Message):
 # Handshake capability: the driver fills in `Forward.deferred` tokens (every driver served by
 # `drivers.serve` has it).
 DEFERRED_TOKENS = "deferred_tokens"
+# Handshake capability: the driver runs multi-step requests (`Forward.steps`; `drivers.serve`
+# adds it for every driver it serves).
+MULTI_STEP = "multi_step"
+# The most decode steps one request may ask for.
+MAX_DECODE_STEPS = 64
 
 
 @dataclass(slots=True)
@@ -117,6 +122,14 @@ class Forward(Message):
     same context id, in an earlier Forward (the last output row of that context's latest request
     that had one). This lets the host send a context's next decode step before the reply that
     carries its input token has come back, so the device never waits for the host.
+
+    Multi-step requests (capability "multi_step"): request r with steps[r] = N > 1 is N decode
+    steps in one request. It has one input token and N output rows with rows 0, 1, ..., N-1:
+    step 0 runs the given token; step j > 0 runs the token sampled at step j-1, at the next
+    position and into the next KV slot; output j is step j's sample. Its kv_len counts all N
+    steps' slots. Its outputs carry no probes and no logit mask, and it has no mask rows. This
+    lets the host generate N tokens of a context per round trip. `steps` is empty when every
+    request is one step.
     """
 
     TAG: ClassVar[str] = "forward"
@@ -149,6 +162,7 @@ class Forward(Message):
     logit_mask_index: I32 = array_field("<i4")  # [O] -1 = unconstrained, else a row of logit_masks
     logit_masks: U32 = array_field("<u4")  # [K * ceil(V/32)], bit j of word i = token 32i+j
     deferred: U32 = array_field("<u4")  # [D] strictly increasing request indices (see above)
+    steps: U32 = array_field("<u4")  # [R] decode steps per request, or empty: one each (see above)
 
     @property
     def num_requests(self) -> int:

@@ -22,6 +22,7 @@ from bridge_schema.errors import ConnectionClosed, FrameError, RangeError, Schem
 from bridge_schema.framing import DEFAULT_MAX_FRAME_BYTES
 from bridge_schema.limits import Limits
 from bridge_schema.messages import (
+    MULTI_STEP,
     Ack,
     Adapter,
     Copy,
@@ -39,6 +40,7 @@ from bridge_schema.messages import (
 from bridge_schema.transport import Connection, listen, parse_address, run
 from drivers.deferred import DeferredTokens
 from drivers.errors import DriverError
+from drivers.multistep import run_steps
 from drivers.protocol import Driver
 from drivers.timing import sleep_until
 
@@ -63,6 +65,8 @@ def handle(driver: Driver, state: _ServeState, message: Message) -> Message:
         if isinstance(message, Hello):
             reply: Message = driver.handshake(message)
             assert isinstance(reply, Handshake)
+            if MULTI_STEP not in reply.capabilities:  # run here for every driver (`drivers.multistep`)
+                reply.capabilities = [*reply.capabilities, MULTI_STEP]
             state.limits = Limits.from_handshake(reply)
             state.deferred = DeferredTokens()
         elif message.IS_REPLY:
@@ -77,7 +81,7 @@ def handle(driver: Driver, state: _ServeState, message: Message) -> Message:
         elif isinstance(message, Forward):
             try:
                 forward = state.deferred.resolve(message)
-                reply = driver.forward(forward)
+                reply = run_steps(driver.forward, forward, state.limits.page_size)
             except BaseException:
                 state.deferred.forget(message)
                 raise

@@ -18,6 +18,8 @@ from bridge_schema.config_rules import check_prefix_match_unit
 from bridge_schema.errors import BridgeError, ConfigError, RemoteError
 from bridge_schema.messages import (
     DEFERRED_TOKENS,
+    MAX_DECODE_STEPS,
+    MULTI_STEP,
     Ack,
     Adapter,
     Handshake,
@@ -41,7 +43,7 @@ from host.pass_loop import PassLoop
 from host.prefix import PrefixReuse
 from host.prefix_cache import PrefixCache
 from host.scheduler import Batch, PassLimits, PendingPass, Scheduler
-from host.services import ModelInfo, PassRequest, PassResult, Tokenizer
+from host.services import ModelInfo, NextStep, PassRequest, PassResult, Tokenizer
 from host.speculator import RequestShape
 from host.staging import Staging, Waiter, shape_of
 from host.tokenizer import tokenizer_from_handshake
@@ -51,13 +53,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# A multi-step pass should hold the device about this long at most (see `max_decode_steps`).
+MULTI_STEP_BUDGET_S = 0.004
 
 
 class Engine:
     """Use `Engine.start(...)`; `close()` (or a `with` block) stops the loop and the driver."""
 
-    def __init__(self, spec: DriverSpec, adapter_dir: str = "", max_fill_chunk_tokens: int = 0) -> None:
+    def __init__(
+        self, spec: DriverSpec, adapter_dir: str = "", max_fill_chunk_tokens: int = 0, max_decode_steps: int = 16
+    ) -> None:
         self._spec = spec
+        self._max_decode_steps = max(1, min(max_decode_steps, MAX_DECODE_STEPS))
+        self._is_multi_step = False  # set from the handshake
+        self._step_s = 0.0  # moving average of a pass's time per decode step, send to reply
         self._speculation_depth = spec.hello.speculation_depth
         self._adapter_dir = adapter_dir
         self._max_fill_chunk_tokens = max_fill_chunk_tokens
@@ -100,11 +109,14 @@ class Engine:
         speculation_depth: int = 0,
         adapter_dir: str = "",
         max_fill_chunk_tokens: int = 0,
+        max_decode_steps: int = 16,
         startup_timeout_s: float = 60.0,
     ) -> Engine:
         """Start (or connect to) the driver and wait for its handshake. `driver`: "dummy" or
         "torch" (a subprocess on a Unix socket), "loopback" (in-process), "unix:PATH" or
-        "tcp:HOST:PORT". `page_size`/`num_pages` 0 take the driver's defaults."""
+        "tcp:HOST:PORT". `page_size`/`num_pages` 0 take the driver's defaults.
+        `max_decode_steps`: the most steps of a multi-step request (host-side generation runs
+        that many per pass while passes are short; 1 turns multi-step off)."""
         hello = Hello(
             page_size=page_size,
             num_pages=num_pages,
@@ -119,7 +131,7 @@ class Engine:
                 raise InvalidRequest(f"configuration rejected: {exc}") from None
         spec = DriverSpec(driver, tuple(driver_args), driver_module, startup_timeout_s, hello)
         spec.kind  # noqa: B018 - validates the driver name before a thread starts
-        engine = cls(spec, adapter_dir, max_fill_chunk_tokens)
+        engine = cls(spec, adapter_dir, max_fill_chunk_tokens, max_decode_steps)
         engine._thread.start()
         engine._ready.wait()
         if engine._startup_error is not None:
@@ -228,9 +240,7 @@ class Engine:
         self._wake_loop()
         return served if served is not None else future.result()
 
-    def generate(
-        self, run_id: int, context_id: int, first: PassRequest, next_step: Callable[[PassResult], PassRequest | None]
-    ) -> None:
+    def generate(self, run_id: int, context_id: int, first: PassRequest, next_step: NextStep) -> None:
         chain = _Chain(self, run_id, context_id, next_step)
         with self._lock:
             served = self._submit(run_id, context_id, first, chain)
@@ -238,6 +248,20 @@ class Engine:
                 chain.continue_from(served)
         self._wake_loop()
         chain.finished.result()
+
+    def max_decode_steps(self) -> int:
+        """Steps per multi-step request: as many as fit in `MULTI_STEP_BUDGET_S` of the device
+        at the measured time per step, so a multi-step pass never holds up other requests or a
+        client's stream by much more than that; 1 until a pass has been timed."""
+        if not self._is_multi_step or not self._step_s:
+            return 1
+        return max(1, min(self._max_decode_steps, int(MULTI_STEP_BUDGET_S / self._step_s)))
+
+    def _note_pass_time(self, batch: Batch, elapsed_s: float) -> None:
+        """A pass took `elapsed_s` from send to reply (loop thread)."""
+        steps = max(chunk.item.steps for chunk in batch.chunks)
+        sample = elapsed_s / steps
+        self._step_s = sample if not self._step_s else 0.8 * self._step_s + 0.2 * sample
 
     def _submit(self, run_id: int, context_id: int, request: PassRequest, waiter: Waiter) -> PassResult | None:
         """Queue one pass (lock held). Returns its result when a staged pass that already
@@ -248,6 +272,7 @@ class Engine:
         checked = check_request(request, kv_start, self._handshake, self._run_adapters.get(run_id, set()))
         if self._pages.has_holes(context_id):
             check_holes_masked(checked, self._pages.pages(context_id), self._pages.page_size)
+        steps = checked.steps if self._is_multi_step else 1
         shape = shape_of(
             checked.tokens,
             checked.positions,
@@ -255,6 +280,7 @@ class Engine:
             request.adapter_id,
             checked.mask_rows is not None,
             request.has_grammar,
+            steps,
         )
         staged = self._staging.take(context_id, shape)
         if staged is not None:
@@ -277,7 +303,10 @@ class Engine:
             )
             reused, checked = self._prefix.reuse(context_id, checked, request.adapter_id)
             kv_start += reused
-        self._pending_copies += self._pages.extend(context_id, len(checked.tokens))  # may raise OutOfPages
+        if steps > 1:  # as many steps as there are slots for, down to one
+            steps = max(1, min(steps, self._pages.free_slots(context_id)))
+        # Reserved now, so a pass either gets all its pages or fails at once (OutOfPages).
+        self._pending_copies += self._pages.extend(context_id, len(checked.tokens) + steps - 1)
         item = PendingPass(
             ticket=next(self._tickets),
             run_id=run_id,
@@ -290,6 +319,7 @@ class Engine:
             adapter_id=request.adapter_id,
             mask_rows=checked.mask_rows,
             has_grammar=request.has_grammar,
+            steps=steps,
         )
         self._futures[item.ticket] = waiter
         self._enqueue(item)
@@ -383,7 +413,13 @@ class Engine:
         if not item.outputs or not self._pages.has(item.context_id):
             return None
         return shape_of(
-            item.tokens, item.positions, item.outputs, item.adapter_id, item.mask_rows is not None, item.has_grammar
+            item.tokens,
+            item.positions,
+            item.outputs,
+            item.adapter_id,
+            item.mask_rows is not None,
+            item.has_grammar,
+            item.steps,
         )
 
     def _on_finished(self, finished: list[PendingPass]) -> None:
@@ -440,6 +476,15 @@ class Engine:
         if self._prefix is not None:
             self._prefix.on_release(context_id)
         del self._owner[context_id]
+
+    def _drop_unused_steps(self, context_id: int, count: int) -> None:
+        """A generation stopped inside a multi-step pass: its last `count` slots leave the
+        context (lock held; nothing of the context is pending or staged after such a pass)."""
+        self._staging.invalidate(context_id)
+        length = self._pages.length(context_id) - count
+        self._pages.truncate(context_id, length)
+        if self._prefix is not None:
+            self._prefix.on_truncate(context_id, length)
 
     def _fail_item(self, item: PendingPass, error: HostError) -> None:
         """Fail the waiter and give back the slots the pass had reserved (lock held)."""
@@ -516,6 +561,7 @@ class Engine:
             max_fill_chunk_tokens=self._max_fill_chunk_tokens,
         )
         self._scheduler = Scheduler(limits, h.page_size)
+        self._is_multi_step = MULTI_STEP in h.capabilities and cache is None and self._max_decode_steps > 1
         self._staging = Staging(
             self._speculation_depth,
             self._pages,
@@ -530,9 +576,7 @@ class _Chain:
     turned into the next request on the engine's loop thread, as soon as the result is routed,
     so a host-side generation costs no thread hop per token."""
 
-    def __init__(
-        self, engine: Engine, run_id: int, context_id: int, next_step: Callable[[PassResult], PassRequest | None]
-    ) -> None:
+    def __init__(self, engine: Engine, run_id: int, context_id: int, next_step: NextStep) -> None:
         self._engine = engine
         self._run_id = run_id
         self._context_id = context_id
@@ -553,7 +597,12 @@ class _Chain:
         """Submit the steps that follow `result` (lock held) until one has to wait for the
         driver, or the caller's rule says stop."""
         try:
-            while (request := self._next_step(result)) is not None:
+            while True:
+                used, request = self._next_step(result)
+                if used < len(result.outputs):
+                    self._engine._drop_unused_steps(self._context_id, len(result.outputs) - used)
+                if request is None:
+                    break
                 served = self._engine._submit(self._run_id, self._context_id, request, self)
                 if served is None:
                     return

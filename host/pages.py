@@ -131,6 +131,14 @@ class PageTable:
         ctx.length += num_tokens
         return copies
 
+    def free_slots(self, context_id: int) -> int:
+        """Slots the context could grow by now: the room left in its pages, plus every page
+        that could be allocated (less one for a shared partial page's copy)."""
+        ctx = self._get(context_id)
+        room = len(ctx.pages) * self.page_size - ctx.length
+        spare = self.num_available - int(self._partial_page_is_shared(ctx))
+        return room + max(spare, 0) * self.page_size
+
     def reserve(self, context_id: int, num_slots: int) -> bool:
         """Hold `num_slots` slots past the context's length without growing it (a staged
         speculative write lands only in slots its context holds). False, changing nothing, when

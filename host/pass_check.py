@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from bridge_schema.batch import OutputSpec, logit_mask_words
-from bridge_schema.messages import Handshake, SamplerKind
+from bridge_schema.messages import MAX_DECODE_STEPS, Handshake, Probe, SamplerKind
 from host.attention_masks import attends_within, window_rows
 from host.errors import InvalidRequest
 from host.pages import HOLE
@@ -25,6 +25,7 @@ class CheckedPass:
     positions: npt.NDArray[np.uint32]
     outputs: tuple[OutputSpec, ...]
     mask_rows: list[list[int]] | None
+    steps: int = 1  # decode steps of a multi-step request, clamped to the model's context
 
 
 def check_request(request: PassRequest, kv_start: int, h: Handshake, adapters: set[int]) -> CheckedPass:
@@ -83,7 +84,25 @@ def check_request(request: PassRequest, kv_start: int, h: Handshake, adapters: s
             row_words[i] += len(row)
     if h.max_mask_bytes and 4 * max(row_words) > h.max_mask_bytes:
         raise InvalidRequest(f"one row's masks exceed the driver's {h.max_mask_bytes} mask bytes per pass")
-    return CheckedPass(tokens.astype(np.uint32), positions.astype(np.uint32), outputs, mask_rows)
+    steps = 1 if request.steps == 1 else _check_steps(request, positions, outputs, mask_rows, h)
+    return CheckedPass(tokens.astype(np.uint32), positions.astype(np.uint32), outputs, mask_rows, steps)
+
+
+def _check_steps(
+    request: PassRequest,
+    positions: npt.NDArray[np.int64],
+    outputs: tuple[OutputSpec, ...],
+    mask_rows: list[list[int]] | None,
+    h: Handshake,
+) -> int:
+    """A multi-step request is plain decoding: the steps it may run (at least 1)."""
+    if not 1 <= request.steps <= MAX_DECODE_STEPS:
+        raise InvalidRequest(f"a request runs 1 to {MAX_DECODE_STEPS} decode steps")
+    if len(positions) != 1 or len(outputs) != 1 or outputs[0].row != 0:
+        raise InvalidRequest("a multi-step request has one input token and one output, on it")
+    if outputs[0].probe != Probe.NONE or outputs[0].logit_mask is not None or mask_rows is not None:
+        raise InvalidRequest("a multi-step request carries no probes, logit mask or attention mask")
+    return min(request.steps, h.max_context - int(positions[0]))  # positions stay in the context
 
 
 def check_holes_masked(checked: CheckedPass, pages: tuple[int, ...], page_size: int) -> None:

@@ -109,7 +109,8 @@ class PassLoop:
                 e._schedule_s += time.perf_counter() - t0
                 e._num_passes += 1
                 try:
-                    await link.submit(forward, functools.partial(self.batch_done, link, batch, forward))
+                    done = functools.partial(self.batch_done, link, batch, forward, time.perf_counter())
+                    await link.submit(forward, done)
                 except BridgeError as exc:
                     self.batch_failed(batch, DriverFailed(f"sending a pass to the driver failed: {exc}"), True)
                     return
@@ -133,7 +134,7 @@ class PassLoop:
                 e._broken = e._broken or DriverFailed(f"the driver failed a page copy: {exc}")
             e._wake_here()
 
-    def batch_done(self, link: DriverLink, batch: Batch, forward: Any, waiter: Any) -> None:
+    def batch_done(self, link: DriverLink, batch: Batch, forward: Any, sent_at: float, waiter: Any) -> None:
         """A pass's reply (or the link's failure) arrived: route it (in the link's reader)."""
         e = self.engine
         try:
@@ -151,6 +152,7 @@ class PassLoop:
             self.batch_failed(batch, DriverFailed(f"the driver link failed during a pass: {exc}"), True)
         else:
             t0 = time.perf_counter()
+            e._note_pass_time(batch, t0 - sent_at)
             outputs = split_result(forward, result)
             with e._lock:
                 e._num_in_flight -= 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -69,6 +69,9 @@ class PendingPass:
     # Its first token is what the context's previous pass samples (`Forward.deferred`): it may
     # go to the driver while that pass is still in flight.
     deferred: bool = False
+    # A multi-step request: one token, `outputs[0]` sampling at each of `steps` decode steps,
+    # whose slots kv_start .. kv_start + steps it holds (`Forward.steps`).
+    steps: int = 1
     num_done: int = 0  # tokens whose chunks have returned
     is_sent: bool = False  # its last chunk is in flight
     results: list[OutputResult] = field(default_factory=list)
@@ -298,6 +301,8 @@ class Scheduler:
         return None
 
     def _chunk(self, item: PendingPass, start: int, stop: int) -> Chunk:
+        if item.steps > 1:  # one token, never split: its KV and outputs cover every step
+            return self._multi_step_chunk(item)
         kv_len = item.kv_start + stop
         num_pages = pages_for(kv_len, self.page_size)
         mask_rows = None
@@ -327,6 +332,24 @@ class Scheduler:
             deferred=item.deferred and start == 0,
         )
         return Chunk(item, start, stop, spec)
+
+    def _multi_step_chunk(self, item: PendingPass) -> Chunk:
+        kv_len = item.kv_start + item.steps
+        num_pages = pages_for(kv_len, self.page_size)
+        (o,) = item.outputs
+        spec = RequestSpec(
+            context_id=item.context_id,
+            tokens=item.tokens,
+            positions=item.positions,
+            pages=item.pages[:num_pages],
+            last_page_len=kv_len - (num_pages - 1) * self.page_size,
+            outputs=[replace(o, row=j) for j in range(item.steps)],
+            adapter_id=item.adapter_id,
+            deferred=item.deferred,
+            steps=item.steps,
+        )
+        assert HOLE not in spec.pages, "a multi-step request reached a context with released pages"
+        return Chunk(item, 0, 1, spec)
 
 
 @dataclass(slots=True)

@@ -48,11 +48,21 @@ class PassRequest:
     # Some output row's logit mask comes from a grammar matcher (never served speculatively,
     # even when the matcher happens to allow every token).
     has_grammar: bool = False
+    # More than 1: a multi-step request, up to this many decode steps in one pass (one input
+    # token; its one output, on row 0, says how every step samples). The engine may run fewer,
+    # never none; the result has one output per step run. See `Services.max_decode_steps`.
+    steps: int = 1
 
 
 @dataclass(slots=True)
 class PassResult:
     outputs: list[OutputResult] = field(default_factory=list)
+
+
+# The rule of `Services.generate`: given a step's result, (how many of its outputs it used, the
+# next request or None to stop). A multi-step result whose later outputs went unused (a stop
+# token came first) has the slots of those steps removed from the context.
+NextStep = Callable[[PassResult], tuple[int, PassRequest | None]]
 
 
 class Tokenizer(Protocol):
@@ -94,14 +104,18 @@ class Services(Protocol):
         context (its length grows by len(tokens))."""
         ...
 
-    def generate(
-        self, run_id: int, context_id: int, first: PassRequest, next_step: Callable[[PassResult], PassRequest | None]
-    ) -> None:
+    def generate(self, run_id: int, context_id: int, first: PassRequest, next_step: NextStep) -> None:
         """A chain of passes: `first`, then each request `next_step` makes of the result before
         it, until it returns None. Blocks until then; raises the `HostError` of a step that
         failed (the steps before it stay in the context) or whatever `next_step` raised.
         `next_step` may run on any thread, with engine locks held: it must be quick and must
         not call back into the services. `generate_by_steps` is the plain implementation."""
+        ...
+
+    def max_decode_steps(self) -> int:
+        """How many steps a multi-step request (`PassRequest.steps`) may usefully ask for now:
+        1 when the driver cannot run them, or a pass already takes long enough that more steps
+        per pass would only delay other requests and the client's stream."""
         ...
 
     def load_adapter(self, run_id: int, name: str) -> int: ...
@@ -114,13 +128,13 @@ class Services(Protocol):
 
 
 def generate_by_steps(
-    services: Services,
-    run_id: int,
-    context_id: int,
-    first: PassRequest,
-    next_step: Callable[[PassResult], PassRequest | None],
+    services: Services, run_id: int, context_id: int, first: PassRequest, next_step: NextStep
 ) -> None:
     """`Services.generate` as a loop of `forward` calls on the caller's thread."""
     request: PassRequest | None = first
     while request is not None:
-        request = next_step(services.forward(run_id, context_id, request))
+        result = services.forward(run_id, context_id, request)
+        used, request = next_step(result)
+        if used < len(result.outputs):  # the steps after the last one used leave the context
+            length = services.context_length(run_id, context_id)
+            services.truncate_context(run_id, context_id, length - (len(result.outputs) - used))

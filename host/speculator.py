@@ -29,6 +29,7 @@ class RequestShape:
     has_grammar: bool = False
     has_attention_mask: bool = False
     explicit_positions_contiguous: bool = True  # False if explicit positions skip or repeat
+    steps: int = 1  # decode steps of a multi-step request
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +52,7 @@ RULES: tuple[Rule, ...] = (
     Rule("sampler_shape", lambda s: not _one_sampler_on_last_row(s)),
     Rule("probes", lambda s: any(o.probe != Probe.NONE for o in s.outputs)),
     Rule("positions", lambda s: not s.explicit_positions_contiguous),
+    Rule("multi_step", lambda s: s.steps != 1),
 )
 
 

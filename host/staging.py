@@ -36,6 +36,7 @@ def shape_of(
     adapter_id: int,
     has_attention_mask: bool,
     has_grammar: bool = False,
+    steps: int = 1,
 ) -> RequestShape:
     contiguous = len(positions) < 2 or bool((np.diff(positions.astype(np.int64)) == 1).all())
     return RequestShape(
@@ -46,6 +47,7 @@ def shape_of(
         has_grammar=has_grammar,
         has_attention_mask=has_attention_mask,
         explicit_positions_contiguous=contiguous,
+        steps=steps,
     )
 
 

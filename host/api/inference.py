@@ -312,27 +312,21 @@ class _HostLoop:
         self.text = TextStream(run.services.tokenizer) if emit else None
         self.tokens: list[int] = []
         self.error: str | None = None
+        # Several decode steps per pass (`PassRequest.steps`) only for plain steps: a matcher or
+        # a logit mask changes per step, and a window is an attention mask.
+        self.is_plain = self.matcher_rep is None and self.spec.logit_mask is None and not first.window
 
-    def next_step(self, result: PassResult) -> PassRequest | None:
-        token = int(result.outputs[0].token)
-        self.tokens.append(token)
-        if self.matcher_rep is not None:
-            matcher = grammar_api.matcher_by_rep(self.run, self.matcher_rep)  # live: the guest waits
-            if not matcher.accept(token):
-                self.error = f"the host sampled token {token}, which the grammar refuses"
-                return None
-            if matcher.is_terminated():
-                return None
-        if token in self.stop:
-            return None
-        if self.text is not None and (piece := self.text.push(token)):
-            self.run.io.emit(piece)
+    def next_step(self, result: PassResult) -> tuple[int, PassRequest | None]:
+        """(outputs of `result` used, the next request or None)."""
+        for used, output in enumerate(result.outputs, 1):
+            if not self._take(int(output.token)):
+                return used, None
         if len(self.tokens) >= self.max_tokens or self.run.cancel_requested.is_set() or self.run.remaining_s() <= 0:
-            return None  # a stopped run learns why from `check_can_continue` when the call returns
+            return len(result.outputs), None  # a stopped run learns why from `check_can_continue`
         first = self.first
         step = PassBuilder(
             first.context_rep,
-            tokens=[token],
+            tokens=[self.tokens[-1]],
             outputs=[replace(self.spec, row=0)],
             adapter_id=first.adapter_id,
             window=first.window,
@@ -342,8 +336,27 @@ class _HostLoop:
         prepared = _pass_request(self.run, step)
         if isinstance(prepared, str):
             self.error = prepared
-            return None
-        return prepared[1]
+            return len(result.outputs), None
+        request = prepared[1]
+        if self.is_plain:
+            request.steps = min(self.run.services.max_decode_steps(), self.max_tokens - len(self.tokens))
+        return len(result.outputs), request
+
+    def _take(self, token: int) -> bool:
+        """Add one sampled token; False when generation ends with it."""
+        self.tokens.append(token)
+        if self.matcher_rep is not None:
+            matcher = grammar_api.matcher_by_rep(self.run, self.matcher_rep)  # live: the guest waits
+            if not matcher.accept(token):
+                self.error = f"the host sampled token {token}, which the grammar refuses"
+                return False
+            if matcher.is_terminated():
+                return False
+        if token in self.stop:
+            return False
+        if self.text is not None and (piece := self.text.push(token)):
+            self.run.io.emit(piece)
+        return len(self.tokens) < self.max_tokens
 
 
 @host_function

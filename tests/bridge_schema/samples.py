@@ -11,6 +11,7 @@ from bridge_schema.messages import (
     Adapter,
     Copy,
     ErrorReply,
+    Forward,
     ForwardResult,
     Handshake,
     Health,
@@ -59,6 +60,27 @@ def sample_forward() -> Message:
                 ],
             ),
             RequestSpec(context_id=5, tokens=[0], positions=[4], pages=[7], last_page_len=1, deferred=True),
+        ],
+    )
+
+
+def sample_multi_step_forward(pages: tuple[int, ...] = (1, 2), last_page_len: int = 4) -> Forward:
+    """A valid Forward with a multi-step request (3 steps, at KV slot 5 of 8) between two plain
+    ones; `pages` and `last_page_len` are the multi-step request's."""
+    return build_forward(
+        8,
+        [
+            RequestSpec(context_id=1, tokens=[3, 4], positions=[0, 1], pages=[0], last_page_len=2),
+            RequestSpec(
+                context_id=2,
+                tokens=[9],
+                positions=[5],
+                pages=list(pages),
+                last_page_len=last_page_len,
+                outputs=[OutputSpec(j, Sampler.random(0.8, seed=4)) for j in range(3)],
+                steps=3,
+            ),
+            RequestSpec(context_id=3, tokens=[7], positions=[2], pages=[3], last_page_len=3, outputs=[OutputSpec(0)]),
         ],
     )
 

@@ -76,6 +76,20 @@ def brle_row(draw: st.DrawFn, total: int) -> list[int]:
 @st.composite
 def request_spec(draw: st.DrawFn, context_id: int) -> RequestSpec:
     page_size = LIMITS.page_size
+    if draw(st.integers(0, 4)) == 0:  # a multi-step request: one token, one output per step
+        steps = draw(st.integers(2, 6))
+        kv_len = steps + draw(st.integers(0, 12))
+        n_pages = (kv_len + page_size - 1) // page_size
+        return RequestSpec(
+            context_id=context_id,
+            tokens=[draw(st.integers(0, LIMITS.vocab_size - 1))],
+            positions=[draw(st.integers(0, LIMITS.max_context - steps))],
+            pages=draw(st.lists(st.integers(0, LIMITS.num_pages - 1), min_size=n_pages, max_size=n_pages)),
+            last_page_len=kv_len - (n_pages - 1) * page_size,
+            outputs=[OutputSpec(j, draw(sampler())) for j in range(steps)],
+            adapter_id=draw(st.integers(-1, 5)),
+            steps=steps,
+        )
     n_tokens = draw(st.integers(1, 8))
     kv_len = n_tokens + draw(st.integers(0, 12))
     n_pages = (kv_len + page_size - 1) // page_size

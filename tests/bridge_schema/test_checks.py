@@ -22,7 +22,7 @@ from bridge_schema.errors import (
 )
 from bridge_schema.framing import frame, payload_length
 from bridge_schema.messages import Copy, Forward
-from tests.bridge_schema.samples import LIMITS, sample_forward
+from tests.bridge_schema.samples import LIMITS, sample_forward, sample_multi_step_forward
 
 
 def _raw(message: Any) -> dict[str, Any]:
@@ -153,6 +153,24 @@ def test_deferred_request_indices_are_checked() -> None:
     _expect(RangeError, "deferred", _with(deferred=np.array([3], np.uint32)))
     _expect(ShapeError, "deferred", _with(deferred=np.array([2, 2], np.uint32)))
     _expect(RangeError, "tokens", _with(deferred=np.array([0, 2], np.uint32)))  # token 10 is not 0
+
+
+def _steps(**changes: Any) -> Forward:
+    return dataclasses.replace(sample_multi_step_forward(), **changes)
+
+
+def test_multi_step_requests_are_checked() -> None:
+    decode(encode(sample_multi_step_forward()), LIMITS)  # the valid one
+    _expect(ShapeError, "steps", _steps(steps=np.array([1, 3], np.uint32)))
+    _expect(RangeError, "steps", _steps(steps=np.array([1, 0, 1], np.uint32)))
+    _expect(RangeError, "steps", _steps(steps=np.array([1, 65, 1], np.uint32)))
+    _expect(ShapeError, "steps", _steps(steps=np.array([3, 3, 1], np.uint32)))  # two input tokens
+    _expect(ShapeError, "out_indptr", _steps(steps=np.array([1, 2, 1], np.uint32)))  # 3 outputs, 2 steps
+    _expect(ShapeError, "probe", _steps(probe=np.array([0, 1, 0, 0], np.uint8)))
+    _expect(ShapeError, "logit_mask_index", _steps(logit_mask_index=np.array([-1, -1, 0, -1], np.int32)))
+    # Rows 0..steps-1 of a multi-step request; 3 steps need 3 KV slots.
+    _expect(RangeError, "out_rows", _steps(out_rows=np.array([0, 0, 1, 3], np.uint32)))
+    _expect(ShapeError, "pages", sample_multi_step_forward(pages=(1,), last_page_len=2))
 
 
 def test_too_many_requests_for_the_driver() -> None:

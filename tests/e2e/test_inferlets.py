@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from wasmtime.component import Component
 
 from host.engine import Engine
 from host.sandbox import BufferedRunIO, RunOutcome, RunStatus, Sandbox
-from host.services import ModelInfo, PassRequest, PassResult, Tokenizer, generate_by_steps
+from host.services import ModelInfo, NextStep, PassRequest, PassResult, Tokenizer, generate_by_steps
 
 
 def _run(
@@ -102,10 +102,11 @@ class ForkWatcher:
     def forward(self, run_id: int, context_id: int, request: PassRequest) -> PassResult:
         return self._engine.forward(run_id, context_id, request)
 
-    def generate(
-        self, run_id: int, context_id: int, first: PassRequest, next_step: Callable[[PassResult], PassRequest | None]
-    ) -> None:
+    def generate(self, run_id: int, context_id: int, first: PassRequest, next_step: NextStep) -> None:
         generate_by_steps(self, run_id, context_id, first, next_step)
+
+    def max_decode_steps(self) -> int:
+        return self._engine.max_decode_steps()
 
     def load_adapter(self, run_id: int, name: str) -> int:
         return self._engine.load_adapter(run_id, name)

@@ -51,6 +51,7 @@ FEATURES: dict[str, RequestShape] = {
     "sampler_shape": plain(outputs=()),
     "probes": plain(outputs=(OutputSpec(0, SAMPLER, probe=Probe.LOGPROBS, probe_k=2),)),
     "positions": plain(explicit_positions_contiguous=False),
+    "multi_step": plain(steps=4),
 }
 
 

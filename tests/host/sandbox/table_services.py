@@ -5,11 +5,11 @@ tests of inferlets use the real engine and the dummy driver (tests/e2e)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from bridge_schema.batch import OutputResult
 from host.errors import ContextNotFound, ContextNotOwned, InvalidRequest, OutOfPages
-from host.services import ModelInfo, PassRequest, PassResult, generate_by_steps
+from host.services import ModelInfo, NextStep, PassRequest, PassResult, generate_by_steps
 from host.tokenizer import BytesTokenizer
 
 VOCAB_SIZE = 260
@@ -96,10 +96,11 @@ class TableServices:
             inputs: Sequence[int] = list(request.tokens)
             return PassResult([OutputResult(token=(inputs[o.row] + 1) % 256) for o in request.outputs])
 
-    def generate(
-        self, run_id: int, context_id: int, first: PassRequest, next_step: Callable[[PassResult], PassRequest | None]
-    ) -> None:
+    def generate(self, run_id: int, context_id: int, first: PassRequest, next_step: NextStep) -> None:
         generate_by_steps(self, run_id, context_id, first, next_step)
+
+    def max_decode_steps(self) -> int:
+        return 1
 
     def load_adapter(self, run_id: int, name: str) -> int:
         raise InvalidRequest(f"no adapter named {name!r}")

@@ -163,10 +163,11 @@ def _check_outputs(f: Forward, n_inputs: npt.NDArray[np.int64], n_out: npt.NDArr
             raise ShapeError(f"has {len(getattr(f, name))} entries for {o} output rows", name)
     if o == 0:
         return
-    request_of = np.repeat(np.arange(len(n_inputs)), n_out)
-    if (f.out_rows >= n_inputs[request_of]).any():
+    is_one_each = o == len(n_inputs) and int(n_out.max()) == 1  # the common decode batch
+    request_of = None if is_one_each else np.repeat(np.arange(len(n_inputs)), n_out)
+    if (f.out_rows >= (n_inputs if request_of is None else n_inputs[request_of])).any():
         raise RangeError("an output row is past its request's tokens", "out_rows")
-    if o > 1:
+    if request_of is not None and o > 1:
         same_request = request_of[1:] == request_of[:-1]
         if (same_request & (f.out_rows[1:] <= f.out_rows[:-1])).any():
             raise ShapeError("rows of one request must be strictly increasing", "out_rows")
@@ -250,10 +251,15 @@ def check_forward_result(res: ForwardResult, limits: Limits | None) -> None:
     o = len(res.tokens)
     if len(res.logprobs) != o:
         raise ShapeError(f"has {len(res.logprobs)} entries for {o} outputs", "logprobs")
-    _counts("topk_indptr", res.topk_indptr, o, len(res.topk_ids))
+    for name, indptr, data_len in (
+        ("topk_indptr", res.topk_indptr, len(res.topk_ids)),
+        ("dist_indptr", res.dist_indptr, len(res.dists)),
+    ):
+        # Most replies carry no probes: an all-zero indptr over no data is valid as it stands.
+        if data_len or len(indptr) != o + 1 or indptr.any():
+            _counts(name, indptr, o, data_len)
     if len(res.topk_logprobs) != len(res.topk_ids):
         raise ShapeError("must match topk_ids", "topk_logprobs")
-    _counts("dist_indptr", res.dist_indptr, o, len(res.dists))
     if limits is not None and o and int(res.tokens.max()) >= limits.vocab_size:
         raise RangeError("sampled token outside the vocabulary", "tokens")
 

@@ -141,13 +141,25 @@ class DummyDriver:
 
         tokens = np.minimum((draws * vocab).astype(np.int64), vocab - 1).astype(np.int32)
         logprobs = np.zeros(o, dtype=np.float32)
+        # Only rows with a logit mask or a probe need work beyond the vectorised draw above.
+        if not ((f.logit_mask_index >= 0) | (f.probe != 0)).any():
+            self._count(f, o)
+            no_probes = np.zeros(o + 1, dtype=np.uint32)
+            return ForwardResult(
+                tokens=tokens,
+                logprobs=logprobs,
+                topk_indptr=no_probes,
+                topk_ids=np.zeros(0, np.uint32),
+                topk_logprobs=np.zeros(0, np.float32),
+                dist_indptr=no_probes,
+                dists=np.zeros(0, np.float32),
+            )
         topk_counts = np.zeros(o, dtype=np.int64)
         topk_ids: list[npt.NDArray[np.uint32]] = []
         dists: list[npt.NDArray[np.float32]] = []
         dist_counts = np.zeros(o, dtype=np.int64)
         words = logit_mask_words(vocab)
-        # Only rows with a logit mask or a probe need work beyond the vectorised draw above.
-        special = np.flatnonzero((f.logit_mask_index >= 0) | (f.probe != 0)).tolist() if o else []
+        special = np.flatnonzero((f.logit_mask_index >= 0) | (f.probe != 0)).tolist()
         for i in special:
             mask_index = int(f.logit_mask_index[i])
             probe = int(f.probe[i])
@@ -176,11 +188,7 @@ class DummyDriver:
                 dists.append(dist)
                 dist_counts[i] = vocab
         topk = np.concatenate(topk_ids) if topk_ids else np.zeros(0, np.uint32)
-        s = self.stats
-        s["forwards"] = int(s["forwards"]) + 1
-        s["requests"] = int(s["requests"]) + f.num_requests
-        s["tokens"] = int(s["tokens"]) + len(f.tokens)
-        s["outputs"] = int(s["outputs"]) + o
+        self._count(f, o)
         return ForwardResult(
             tokens=tokens,
             logprobs=logprobs,
@@ -190,6 +198,13 @@ class DummyDriver:
             dist_indptr=_indptr(dist_counts),
             dists=np.concatenate(dists) if dists else np.zeros(0, np.float32),
         )
+
+    def _count(self, f: Forward, outputs: int) -> None:
+        s = self.stats
+        s["forwards"] = int(s["forwards"]) + 1
+        s["requests"] = int(s["requests"]) + f.num_requests
+        s["tokens"] = int(s["tokens"]) + len(f.tokens)
+        s["outputs"] = int(s["outputs"]) + outputs
 
     def copy(self, c: Copy) -> None:
         self.stats["copies"] = int(self.stats["copies"]) + 1

@@ -74,7 +74,12 @@ def cmd_run(ns: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     try:
-        engine_start = Engine.start(driver=ns.driver, driver_args=ns.driver_arg, speculation_depth=ns.speculation_depth)
+        engine_start = Engine.start(
+            driver=ns.driver,
+            driver_args=ns.driver_arg,
+            speculation_depth=ns.speculation_depth,
+            max_decode_steps=ns.max_decode_steps,
+        )
         with Sandbox(config) as sandbox, engine_start as engine:
             component = sandbox.load(wasm_path)
             handle = sandbox.start(component, engine, args, io=BufferedRunIO(on_chunk=write))
@@ -128,6 +133,12 @@ def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     )
     p_run.add_argument(
         "--speculation-depth", type=int, default=1, help="pre-fired decode steps per context, 0 = off (default: 1)"
+    )
+    p_run.add_argument(
+        "--max-decode-steps",
+        type=int,
+        default=16,
+        help="decode steps per pass of host-side generation while passes are short, 1 = off (default: 16)",
     )
     p_run.add_argument("--memory-mib", type=int, default=256, help="guest memory cap (default: 256)")
     p_run.add_argument("--timeout-s", type=float, default=600.0, help="wall-clock budget of the run")

@@ -27,6 +27,11 @@ _FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--model", "model", {"help": "the torch driver's model: smollm2 (default), a .gguf file or a HF directory"}),
     ("--served-model-name", "served_model_name", {"help": "model id in the API (default: the driver's)"}),
     ("--speculation-depth", "speculation_depth", {"type": int, "help": "pre-fired decode steps (default 1; 0 off)"}),
+    (
+        "--max-decode-steps",
+        "max_decode_steps",
+        {"type": int, "help": "decode steps per pass of host-side generation (default 16; 1 off)"},
+    ),
     ("--max-concurrent-runs", "max_concurrent_runs", {"type": int, "help": "runs at once (default 64)"}),
     ("--run-memory-mib", "run_memory_mib", {"type": int, "help": "memory cap per run (default 256)"}),
     ("--run-timeout-s", "run_timeout_s", {"type": float, "help": "wall-clock budget per run (default 600)"}),

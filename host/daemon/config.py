@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bridge_schema.messages import MAX_DECODE_STEPS
 from host.daemon.errors import ConfigError
 from host.sandbox.config import MIB, default_cache_dir
 
@@ -35,6 +36,7 @@ class DaemonConfig:
     model: str = ""  # torch driver: passed as --model (default: the embedded SmolLM2)
     served_model_name: str = ""  # the id in /v1/models; default: the driver's model name
     speculation_depth: int = 1
+    max_decode_steps: int = 16  # multi-step requests while passes are short; 1 = off
     max_concurrent_runs: int = 64
     run_memory_mib: int = 256
     run_timeout_s: float = 600.0
@@ -187,6 +189,7 @@ def _check(c: DaemonConfig) -> None:
         raise ConfigError("model", f"only the torch driver loads a model (driver is {c.driver!r})")
     minimums: dict[str, float] = {
         "speculation_depth": 0,
+        "max_decode_steps": 1,
         "max_concurrent_runs": 1,
         "run_memory_mib": 16,  # componentize-py's interpreter alone needs about 12 MiB
         "max_upload_bytes": 1,
@@ -197,6 +200,8 @@ def _check(c: DaemonConfig) -> None:
     for key, minimum in minimums.items():
         if getattr(c, key) < minimum:
             raise ConfigError(key, f"must be at least {minimum:g}, got {getattr(c, key)}")
+    if c.max_decode_steps > MAX_DECODE_STEPS:
+        raise ConfigError("max_decode_steps", f"must be at most {MAX_DECODE_STEPS}, got {c.max_decode_steps}")
     for key in ("run_timeout_s", "run_watchdog_s", "driver_startup_timeout_s"):
         if getattr(c, key) <= 0:
             raise ConfigError(key, f"must be positive, got {getattr(c, key)}")

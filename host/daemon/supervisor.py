@@ -151,6 +151,7 @@ class Supervisor:
             engine = Engine.start(
                 driver=address,
                 speculation_depth=self._config.speculation_depth,
+                max_decode_steps=self._config.max_decode_steps,
                 startup_timeout_s=self._config.driver_startup_timeout_s,
             )
             with self._cond:

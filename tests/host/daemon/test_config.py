@@ -48,6 +48,8 @@ def test_torch_model_becomes_a_driver_option() -> None:
         ({"driver": "gpu"}, {}, "driver"),
         ({"model": "x"}, {}, "model"),  # the dummy driver loads no model
         ({"speculation_depth": -1}, {}, "speculation_depth"),
+        ({"max_decode_steps": 0}, {}, "max_decode_steps"),
+        ({}, {"WAFER_MAX_DECODE_STEPS": "65"}, "max_decode_steps"),
         ({"max_concurrent_runs": 0}, {}, "max_concurrent_runs"),
         ({"run_memory_mib": 8}, {}, "run_memory_mib"),
         ({"run_timeout_s": 0}, {}, "run_timeout_s"),

@@ -12,7 +12,7 @@ from wasmtime.component import Component
 
 from host.build import build
 from host.engine import Engine
-from host.sandbox import Sandbox
+from host.sandbox import Sandbox, SandboxConfig
 from host.sandbox.outcome import RunStatus
 from host.sandbox.run_io import BufferedRunIO
 
@@ -84,3 +84,25 @@ def test_host_loop_out_of_pages_keeps_what_it_generated(sandbox: Sandbox, parity
         assert result["kv_length"] == result["committed"] == capacity
         assert result["all"] == capacity + 1  # the last sampled token is pending
         assert small.num_free_pages == 4  # the run's pages came back
+
+
+def test_host_loop_stops_at_the_runs_wall_clock_budget(
+    sandbox: Sandbox, components: dict[str, Component], cache_dir: Path
+) -> None:
+    """The host loop checks the run's budget between passes: a long generation on a slow driver
+    ends TIMED_OUT after the budget (plus at most a pass), with what it streamed so far kept."""
+    config = SandboxConfig(cache_dir=cache_dir, wall_budget_s=1.0, inactivity_timeout_s=30.0)
+    with Engine.start(driver="dummy", driver_args=["--pass-latency-ms", "20"]) as slow:
+        chunks: list[str] = []
+        args = ["--prompt", "Once", "--max-tokens", "100000", "--ignore-eos"]
+        handle = sandbox.start(
+            components["text_completion"], slow, args, io=BufferedRunIO(chunks.append), config=config
+        )
+        outcome = handle.wait(timeout_s=60)
+        if outcome is None:
+            handle.cancel()
+            handle.wait(timeout_s=60)
+    assert outcome is not None, "the budget did not stop the host loop"
+    assert outcome.status is RunStatus.TIMED_OUT, (outcome.status, outcome.error)
+    assert "wall-clock budget" in (outcome.error or "")
+    assert chunks, "nothing was streamed before the budget ran out"

@@ -95,14 +95,13 @@ def test_host_loop_stops_at_the_runs_wall_clock_budget(
     with Engine.start(driver="dummy", driver_args=["--pass-latency-ms", "20"]) as slow:
         chunks: list[str] = []
         args = ["--prompt", "Once", "--max-tokens", "100000", "--ignore-eos"]
-        handle = sandbox.start(
-            components["text_completion"], slow, args, io=BufferedRunIO(chunks.append), config=config
-        )
-        outcome = handle.wait(timeout_s=60)
-        if outcome is None:
+        io = BufferedRunIO(chunks.append)
+        handle = sandbox.start(components["text_completion"], slow, args, io=io, config=config)
+        try:
+            outcome = handle.wait(timeout_s=60)
+        except TimeoutError:
             handle.cancel()
-            handle.wait(timeout_s=60)
-    assert outcome is not None, "the budget did not stop the host loop"
+            raise AssertionError("the budget did not stop the host loop") from None
     assert outcome.status is RunStatus.TIMED_OUT, (outcome.status, outcome.error)
     assert "wall-clock budget" in (outcome.error or "")
     assert chunks, "nothing was streamed before the budget ran out"

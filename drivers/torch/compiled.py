@@ -1,6 +1,7 @@
 """The optional compiled path (`--compile`, CPU): each decoder layer, attention over the paged
 cache included, runs as one `torch.compile`d (Inductor: C++) function, shared by all layers (they
-take their block as an argument). Passes with LoRA adapters and CUDA passes stay eager.
+take their block as an argument). Passes with LoRA adapters stay eager; the driver refuses it on
+CUDA, whose attention is a Triton kernel.
 
 Graphs: one for a single token (decode at batch 1) and one dynamic in every other size, for the
 layer and for the output head. `PagedAttention(pad_to=2)` keeps batch, query and key dimensions

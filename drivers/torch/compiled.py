@@ -3,10 +3,10 @@ cache included, runs as one `torch.compile`d (Inductor: C++) function, shared by
 take their block as an argument). Passes with LoRA adapters stay eager; the driver refuses it on
 CUDA, whose attention is a Triton kernel.
 
-Graphs: one for a single token (decode at batch 1) and one dynamic in every other size, for the
-layer and for the output head. `PagedAttention(pad_to=2)` keeps batch, query and key dimensions
-at 2 or more, so dynamo's 0/1 specialization never splits them into more graphs, and nothing
-comes near its recompile limit (8)."""
+Graphs, per function: one token (decode at batch 1); one token per request (decode batches,
+where attention runs as fused reductions); everything else. `PagedAttention(for_compiled=True)`
+pads the layouts so that no other size pattern occurs (dynamo specializes sizes 0 and 1), far
+under dynamo's recompile limit (8); the handshake compiles all three."""
 
 from __future__ import annotations
 
@@ -18,14 +18,12 @@ from drivers.torch.config import ModelConfig
 from drivers.torch.model import Block, Transformer, attention_inputs, attention_output, output_logits
 from drivers.torch.paged_attention import LayerKeys, PagedAttention, attend_keys
 
-PAD_TO = 2
-
 
 def _layer(
     cfg: ModelConfig, block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: LayerKeys
 ) -> torch.Tensor:
     q, k, v = attention_inputs(cfg, block, x, cos, sin, None)
-    return attention_output(cfg, block, x, attend_keys(q, k, v, keys, cfg.scale), None)
+    return attention_output(cfg, block, x, attend_keys(q, k, v, keys, cfg.scale, fused_decode=True), None)
 
 
 def _mark_dynamic(*tensors: torch.Tensor) -> None:
@@ -44,8 +42,8 @@ class CompiledModel:
     def __call__(
         self, tokens: torch.Tensor, positions: torch.Tensor, attention: PagedAttention, rows: torch.Tensor
     ) -> torch.Tensor:
-        """Logits of `rows`, as `Transformer.forward` without LoRA; `attention` must pad to PAD_TO."""
-        assert attention.pad_to >= PAD_TO, "a compiled pass needs padded attention layouts"
+        """Logits of `rows`, as `Transformer.forward` without LoRA."""
+        assert attention.for_compiled, "a compiled pass needs padded attention layouts"
         model, cfg = self.model, self.model.cfg
         x, rope_full, rope_local = model.embed(tokens, positions)
         for i, block in enumerate(model.model.blocks()):

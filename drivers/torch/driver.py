@@ -18,7 +18,7 @@ from bridge_schema.messages import DEFERRED_TOKENS, Adapter, Copy, Forward, Forw
 from drivers.errors import ConfigRejected, RequestRejected
 from drivers.torch.batch_plan import CacheLimits, PassPlan, build_plan
 from drivers.torch.checkpoint import Checkpoint
-from drivers.torch.compiled import PAD_TO, CompiledModel
+from drivers.torch.compiled import CompiledModel
 from drivers.torch.cpu_layout import transpose_linears
 from drivers.torch.fusion import fuse_projections
 from drivers.torch.kv_cache import PagedKVCache
@@ -191,24 +191,29 @@ class TorchDriver:
             token_adapter = np.repeat(request.adapter_ids.astype(np.int64), plan.num_q_np)
             lora = LoraBatch(self.adapters, token_adapter, self.device)
         if self.compiled is not None and lora is None:
-            attend = PagedAttention(self.cfg, self.cache, plan, self.use_triton, pad_to=PAD_TO)
+            attend = PagedAttention(self.cfg, self.cache, plan, self.use_triton, for_compiled=True)
             return plan, self.compiled(plan.tokens, plan.positions, attend, plan.out_tokens)
         attend = PagedAttention(self.cfg, self.cache, plan, self.use_triton)
         return plan, self.model(plan.tokens, plan.positions, attend, plan.out_tokens, lora)
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
-        """Compile the graphs every later pass uses (one token; any other sizes) before serving,
-        with passes over the first slots of the freshly allocated pages."""
+        """Compile every graph later passes use before serving: one token, two one-token requests,
+        one three-token request; with passes over the first slots of the freshly allocated pages."""
         assert self.limits is not None
-        ps, capacity = self.limits.page_size, min(self.limits.num_pages * self.limits.page_size, 3)
-        progress = Progress("compiling the model (cached on disk for the next start)", 2)
+        ps = self.limits.page_size
+        per_context = -(-3 // ps)  # pages for three tokens
+        # With too few pages for a pass, its graph compiles on first use instead.
+        passes = [s for s in ([1], [1, 1], [3]) if len(s) * per_context <= self.limits.num_pages]
+        progress = Progress("compiling the model (cached on disk for the next start)", len(passes))
         progress.update(0)
-        for step, n in enumerate((1, capacity)):
-            pages = list(range((n + ps - 1) // ps))
-            outputs = [OutputSpec(row) for row in range(n)]
-            spec = RequestSpec(0, [0] * n, list(range(n)), pages, n - (len(pages) - 1) * ps, outputs)
-            self._run(build_forward(0, [spec]))
+        for step, sizes in enumerate(passes):
+            specs = []
+            for i, n in enumerate(sizes):
+                pages = list(range(i * per_context, i * per_context + -(-n // ps)))
+                outputs = [OutputSpec(row) for row in range(n)]
+                specs.append(RequestSpec(i, [0] * n, list(range(n)), pages, n - (len(pages) - 1) * ps, outputs))
+            self._run(build_forward(0, specs))
             progress.update(step + 1)
 
     @torch.inference_mode()

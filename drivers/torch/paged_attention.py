@@ -30,37 +30,60 @@ class LayerKeys(NamedTuple):
     valid: torch.Tensor  # [T] row of each token in the flattened [B * Tq] layout
 
 
-def attend_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: LayerKeys, scale: float) -> torch.Tensor:
-    """Write k/v [T, Hkv, D] into the cache, attend q [T, H, D] over the keys -> [T, H, D]."""
+def attend_keys(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: LayerKeys, scale: float, fused_decode: bool = False
+) -> torch.Tensor:
+    """Write k/v [T, Hkv, D] into the cache, attend q [T, H, D] over the keys -> [T, H, D].
+    `fused_decode` (for compiled layers): with one query per request, attention as gather,
+    multiply and sum, which Inductor fuses without materializing the gathered keys."""
     keys.k_cache.index_copy_(0, keys.slots, k.to(keys.k_cache.dtype))
     keys.v_cache.index_copy_(0, keys.slots, v.to(keys.v_cache.dtype))
-    out = masked_attention(
-        q[keys.q_index],
-        keys.k_cache[keys.key_index],
-        keys.v_cache[keys.key_index].to(q.dtype),
-        keys.mask,
-        scale,
-        keys.empty,
-    )
+    if fused_decode and keys.q_index.shape[1] == 1:
+        out = _decode_attention(q, keys, scale)
+    else:
+        out = masked_attention(
+            q[keys.q_index],
+            keys.k_cache[keys.key_index],
+            keys.v_cache[keys.key_index].to(q.dtype),
+            keys.mask,
+            scale,
+            keys.empty,
+        )
     return out.reshape(-1, *q.shape[1:])[keys.valid]
+
+
+def _decode_attention(q: torch.Tensor, keys: LayerKeys, scale: float) -> torch.Tensor:
+    """`masked_attention` for one query per request, as reductions: -> [B, 1, H, D]."""
+    qp = q[keys.q_index[:, 0]]  # [B, H, D]
+    b, h, d = qp.shape
+    k = keys.k_cache[keys.key_index]  # [B, K, Hkv, D]
+    v = keys.v_cache[keys.key_index].to(q.dtype)
+    groups = h // k.shape[2]
+    # Reductions over D, then over keys (dim 1): the layout Inductor vectorized best here.
+    scores = (qp.reshape(b, 1, -1, groups, d) * k[:, :, :, None, :]).sum(-1) * scale  # [B, K, Hkv, G]
+    scores = scores.masked_fill(~keys.mask[:, 0, :, None, None], float("-inf"))
+    weights = torch.softmax(scores, dim=1)
+    out = (weights[..., None] * v[:, :, :, None, :]).sum(1)  # [B, Hkv, G, D]
+    return out.reshape(b, 1, h, d).masked_fill(keys.empty[..., None, None], 0.0)
 
 
 _FamilyTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class PagedAttention:
-    """`pad_to=2` pads the batch, query and key dimensions of every layout to at least 2 (padding is
-    masked out) so that a compiled layer never sees a size-1 dimension there and needs no extra
-    graphs for them; the token dimension is never padded."""
+    """`for_compiled=True` pads layouts (with masked-out entries) so that a compiled layer sees few
+    distinct size patterns: keys always 2 or more, and requests 2 or more when the pass has more
+    than one token. Dynamo specializes sizes 0 and 1, so a compiled layer then needs three graphs:
+    one token; one token per request (decode batches); the rest."""
 
     def __init__(
-        self, cfg: ModelConfig, cache: PagedKVCache, plan: PassPlan, use_triton: bool, pad_to: int = 1
+        self, cfg: ModelConfig, cache: PagedKVCache, plan: PassPlan, use_triton: bool, for_compiled: bool = False
     ) -> None:
         self.cfg = cfg
         self.cache = cache
         self.plan = plan
         self.use_triton = use_triton
-        self.pad_to = pad_to
+        self.for_compiled = for_compiled
         self._families: dict[int, _FamilyTensors] = {}
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -93,13 +116,14 @@ class PagedAttention:
         plan = self.plan
         fam = family_keys(plan, window, self.cfg.num_sink_tokens, self.cache.page_size)
         q_index, key_index, mask, empty = plan.q_index, fam.key_index, fam.safe_mask, fam.empty
-        (b, tq), num_keys, n = q_index.shape, key_index.shape[1], self.pad_to
-        pad_b, pad_q, pad_k = max(n - b, 0), max(n - tq, 0), max(n - num_keys, 0)
-        if pad_b or pad_q or pad_k:
-            q_index = F.pad(q_index, (0, pad_q, 0, pad_b))
+        (b, tq), num_keys = q_index.shape, key_index.shape[1]
+        pad_k = max(2 - num_keys, 0) if self.for_compiled else 0
+        pad_b = max(2 - b, 0) if self.for_compiled and len(plan.tokens) > 1 else 0
+        if pad_b or pad_k:
+            q_index = F.pad(q_index, (0, 0, 0, pad_b))
             key_index = F.pad(key_index, (0, pad_k, 0, pad_b))
-            empty = F.pad(empty, (0, pad_q, 0, pad_b), value=True)
-            mask = F.pad(mask, (0, pad_k, 0, pad_q, 0, pad_b), value=False) | empty[..., None]
+            empty = F.pad(empty, (0, 0, 0, pad_b), value=True)
+            mask = F.pad(mask, (0, pad_k, 0, 0, 0, pad_b), value=False) | empty[..., None]
         width = q_index.shape[1]
         valid = (torch.arange(b, device=q_index.device)[:, None] * width + torch.arange(tq, device=q_index.device))[
             plan.q_valid

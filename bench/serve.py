@@ -57,12 +57,20 @@ def summarize(starts: list[float], stamps: list[list[float]], tokens: int, wall_
 
 
 class TimedIO(BufferedRunIO):
-    """Records when each generated piece arrives (the chat inferlet sends one message a step)."""
+    """Records when each generated piece arrives: a message per step from the chat inferlet's own
+    loop, or a chunk of output per token when the host runs the loop (what the daemon reads as
+    the deltas of choice 0)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.stamps: list[float] = []
         self.generated = 0
+
+    def emit(self, chunk: str) -> None:
+        now = time.perf_counter()
+        super().emit(chunk)
+        if chunk:
+            self.stamps.append(now)
 
     def send(self, message: str) -> None:
         now = time.perf_counter()

@@ -29,3 +29,9 @@ class TextStream:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._tokens)
         return full[len(prefix) :]
+
+    def held(self) -> str:
+        """The text of the tokens pushed so far that `push` has not returned yet."""
+        decode = self._tokenizer.decode
+        prefix = decode(self._tokens[self._prefix_offset : self._read_offset])
+        return decode(self._tokens[self._prefix_offset :])[len(prefix) :]

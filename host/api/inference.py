@@ -365,11 +365,11 @@ def generate(run: RunState, handle: ResourceAny, max_tokens: int, stop_tokens: l
     first = _builder(run, handle)
     problem = _generate_problem(run, first)
     if problem is not None or max_tokens == 0:
-        return record(tokens=[], error=problem)
+        return record(tokens=[], error=problem, tail="")
     loop = _HostLoop(run, first, max_tokens, frozenset(stop_tokens), emit_text)
     prepared = _pass_request(run, first)
     if isinstance(prepared, str):
-        return record(tokens=[], error=prepared)
+        return record(tokens=[], error=prepared, tail="")
     started_s = time.perf_counter()
     try:
         run.services.generate(run.run_id, prepared[0], prepared[1], loop.next_step)
@@ -378,7 +378,8 @@ def generate(run: RunState, handle: ResourceAny, max_tokens: int, stop_tokens: l
     finally:
         run.forward_wait_s += time.perf_counter() - started_s
     run.check_can_continue()  # cancelled or out of time while generating: the run stops here
-    return record(tokens=loop.tokens, error=loop.error)
+    tail = loop.text.held() if loop.text is not None else ""
+    return record(tokens=loop.tokens, error=loop.error, tail=tail)
 
 
 def decode(run: RunState, ctx_rep: int, tokens: list[int], sampler: Sampler) -> int | str:

@@ -103,8 +103,9 @@ async def _serve(
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         async for event in _events(record, early):
-            if event.kind == "message":
-                renderer.apply(json.loads(event.data))
+            update = _update(event)
+            if update is not None:
+                renderer.apply(update)
     except asyncio.CancelledError:
         record.cancel()
         raise
@@ -128,8 +129,8 @@ async def _start(daemon: Daemon, job: Job, owner: str) -> tuple[RunRecord, list[
         try:
             async for event in record.log.follow():
                 early.append(event)
-                if event.kind == "message" and "deltas" in json.loads(event.data):
-                    break
+                if event.kind == "output" or (event.kind == "message" and "deltas" in json.loads(event.data)):
+                    break  # generating
         except asyncio.CancelledError:
             record.cancel()
             raise
@@ -156,9 +157,10 @@ async def _stream(
         for chunk in renderer.first_chunks():
             yield sse(chunk)
         async for event in _events(record, early):
-            if event.kind != "message":
+            update = _update(event)
+            if update is None:
                 continue
-            for chunk in renderer.update_chunks(renderer.apply(json.loads(event.data))):
+            for chunk in renderer.update_chunks(renderer.apply(update)):
                 if is_first:
                     daemon.first_token.observe(time.monotonic() - started, kind)
                     is_first = False
@@ -177,6 +179,17 @@ async def _stream(
     finally:
         if not record.done.is_set():
             record.cancel()  # the client went away: stop generating for nobody
+
+
+def _update(event: RunEvent) -> dict[str, Any] | None:
+    """A chat run's event as a renderer update: its messages (README of inferlets/chat), and its
+    output stream, which is the text of choice 0 when the host runs the generation loop."""
+    if event.kind == "message":
+        update: dict[str, Any] = json.loads(event.data)
+        return update
+    if event.kind == "output":
+        return {"deltas": [[0, event.data, None]]}
+    return None
 
 
 def _run_error(record: RunRecord) -> ApiError | None:

@@ -3,13 +3,27 @@
 It takes one JSON argument (the request, already validated by the host), fills each prompt once,
 forks it into `n` branches that share the prompt's KV pages, and decodes every live branch in the
 same device passes. It streams JSON messages through `send` (see README.md for their shapes).
+The common request (one prompt, one choice, no stop strings, no logprobs) hands its whole
+generation loop to the host instead, which streams the text as run output.
 """
 
 import json
 
 from componentize_py_types import Err
 from decoding import Branch, StopMatcher, Utf8Decoder
-from inferlet import InferenceError, InferletError, execute_together, model_info, render_chat, send, tokenize
+from inferlet import (
+    Context,
+    Grammar,
+    Greedy,
+    InferenceError,
+    InferletError,
+    Random,
+    execute_together,
+    model_info,
+    render_chat,
+    send,
+    tokenize,
+)
 from wit_world.imports import context as _ctx
 from wit_world.imports import grammar as _g
 from wit_world.imports import inference as _inf
@@ -22,15 +36,14 @@ def _call(fn, *args):
         raise InferletError(str(e.value)) from None
 
 
-def _sampler(req: dict, branch_index: int) -> _inf.Sampler:
+def _sampler(req: dict, branch_index: int) -> Greedy | Random:
     temperature = float(req.get("temperature", 1.0))
     top_p = float(req.get("top_p", 1.0))
     if temperature == 0 or top_p == 0:
-        return _inf.Sampler(_inf.SamplerKind.GREEDY, 1.0, 0, 1.0, 0.0, -1)
+        return Greedy()
     seed = req.get("seed")
     # Branch i draws with seed + i: seeded choices are reproducible and differ from each other.
-    wit_seed = -1 if seed is None else (int(seed) + branch_index) % (1 << 63)
-    return _inf.Sampler(_inf.SamplerKind.RANDOM, temperature, 0, top_p, 0.0, wit_seed)
+    return Random(temperature, top_p=top_p, seed=-1 if seed is None else (int(seed) + branch_index) % (1 << 63))
 
 
 def _prompt_tokens(prompt: dict) -> list[int]:
@@ -69,6 +82,32 @@ def _step(branches: list[Branch], probe: _inf.Probe, probe_k: int) -> list[_inf.
     return [outputs[0] for outputs in results]
 
 
+def _generate_on_host(req: dict, stop_tokens: set[int], max_tokens: int) -> None:
+    """One prompt, one choice, no stop strings, no logprobs: the host runs the loop and streams
+    the text as run output (the daemon reads it as choice 0's deltas); then one message says how
+    it ended."""
+    tokens = _prompt_tokens(req["prompts"][0])
+    if not tokens:
+        raise InferletError("prompt 0 is empty")
+    send(json.dumps({"prompt_tokens": [len(tokens)]}))
+    grammar = None
+    if "grammar" in req:
+        spec = req["grammar"]
+        grammar = Grammar(spec["kind"], spec["text"], **spec["options"])
+    with Context() as ctx:
+        ctx.fill(tokens)
+        before = len(ctx.tokens)
+        try:
+            done = ctx.complete(
+                max_tokens, stop=sorted(stop_tokens), sampler=_sampler(req, 0), grammar=grammar, emit_text=True
+            )
+        except InferenceError as e:
+            raise InferletError(str(e)) from None
+        generated = len(ctx.tokens) - before  # the token that ended it included, as below
+    finished = [[0, "stop" if done.stopped else "length", generated]]
+    send(json.dumps({"deltas": [[0, done.tail, None]], "finished": finished}))
+
+
 def main(args: list[str]) -> None:
     if len(args) != 1:
         raise InferletError("chat takes one argument: the request as JSON")
@@ -79,12 +118,16 @@ def main(args: list[str]) -> None:
     probe_k = int(req.get("top_logprobs", 0))
     probe = _inf.Probe.LOGPROBS if want_logprobs else _inf.Probe(0)
     stops = [s for s in req.get("stop", []) if s]
+    # ignore_eos: stop tokens are generated like any other, except where a grammar ends the text.
+    is_ignore_eos = bool(req.get("ignore_eos")) and "grammar" not in req
+    stop_tokens = set() if is_ignore_eos else set(model_info().stop_tokens)
+    if n == 1 and len(req["prompts"]) == 1 and not stops and not want_logprobs:
+        _generate_on_host(req, stop_tokens, max_tokens)
+        return
     grammar = None
     if "grammar" in req:  # response_format: every step masked by the grammar, on the host
         spec = req["grammar"]
         grammar = _call(_g.Grammar.compile, spec["kind"], spec["text"], json.dumps(spec["options"]))
-    # ignore_eos: stop tokens are generated like any other, except where a grammar ends the text.
-    stop_tokens = set() if req.get("ignore_eos") and grammar is None else set(model_info().stop_tokens)
 
     branches: list[Branch] = []
     prompt_lengths = []
@@ -97,7 +140,7 @@ def main(args: list[str]) -> None:
         for i in range(n):
             ctx = root if i == n - 1 else _call(root.fork)
             index = p_index * n + i
-            branch = Branch(index, ctx, tokens[-1], _sampler(req, index), Utf8Decoder(), StopMatcher(stops))
+            branch = Branch(index, ctx, tokens[-1], _sampler(req, index).to_wit(), Utf8Decoder(), StopMatcher(stops))
             if grammar is not None:
                 branch.matcher = _g.Matcher(grammar)
             branches.append(branch)

@@ -16,7 +16,15 @@ module, and modules first imported at run time may not exist.
 from inferlet.adapter import Adapter, AdapterError
 from inferlet.arguments import ArgumentParser
 from inferlet.attention import LogitMask, Window
-from inferlet.context import Context, InferenceError, TokenChoice, decode_steps, execute_together, top_k_all
+from inferlet.context import (
+    Completion,
+    Context,
+    InferenceError,
+    TokenChoice,
+    decode_steps,
+    execute_together,
+    top_k_all,
+)
 from inferlet.errors import InferletError
 from inferlet.grammar import Grammar, GrammarError, Matcher
 from inferlet.model import ChatMessage, ModelInfo, detokenize, model_info, render_chat, tokenize
@@ -29,6 +37,7 @@ __all__ = [
     "AdapterError",
     "ArgumentParser",
     "ChatMessage",
+    "Completion",
     "Context",
     "Grammar",
     "GrammarError",

@@ -30,6 +30,18 @@ class InferenceError(Exception):
 
 
 @dataclass(frozen=True)
+class Completion:
+    """What `Context.complete` generated."""
+
+    tokens: list[int]
+    """The tokens `generate` would have yielded (without the token that ended generation)."""
+    stopped: bool
+    """True when a stop token or the grammar's end ended it; False when `max_tokens` did."""
+    tail: str
+    """With `emit_text`: text held back because it ends inside a character (else "")."""
+
+
+@dataclass(frozen=True)
 class TokenChoice:
     token: int
     logprob: float
@@ -330,7 +342,7 @@ class Context:
         sampler: Sampler = GREEDY,
         grammar: Grammar | None = None,
         emit_text: bool = False,
-    ) -> list[int]:
+    ) -> Completion:
         """`generate` in one call: the host runs the whole loop, so the inferlet pays one
         boundary crossing instead of one per token. Returns the tokens `generate` would have
         yielded (the token that ended generation is appended to the context but not returned).
@@ -338,7 +350,7 @@ class Context:
         `emit` on each piece of `generate_text`. For per-token logic (stop strings, logprobs,
         choosing among candidates), use `generate` or `decode_step`."""
         if max_tokens <= 0:
-            return []
+            return Completion([], False, "")
         stop_list = [int(t) for t in (model_info().stop_tokens if stop is None else stop)]
         matcher = grammar.matcher() if grammar is not None else None
         with self._pending_pass(sampler, _NO_PROBE, 0, matcher=matcher) as fp:
@@ -349,9 +361,10 @@ class Context:
         if result.error is not None:
             raise InferenceError(result.error)
         tokens = list(result.tokens)
-        if tokens and (tokens[-1] in stop_list or (matcher is not None and matcher.is_terminated())):
+        stopped = bool(tokens) and (tokens[-1] in stop_list or (matcher is not None and matcher.is_terminated()))
+        if stopped:
             tokens.pop()  # the token that ended generation
-        return tokens
+        return Completion(tokens, stopped, result.tail)
 
     def generate_text(
         self,

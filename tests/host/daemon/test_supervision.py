@@ -77,7 +77,10 @@ def test_driver_killed_mid_stream(server: Server) -> None:
 def _num_generating(server: Server) -> int:
     assert server.daemon is not None
     running = [r for r in server.daemon.runs.list("chat") if r.outcome is None]
-    return sum(any(e.kind == "message" and "deltas" in e.data for e in r.log.snapshot()) for r in running)
+    return sum(
+        any(e.kind == "output" or (e.kind == "message" and "deltas" in e.data) for e in r.log.snapshot())
+        for r in running
+    )
 
 
 def _wait_dead(pid: int) -> None:

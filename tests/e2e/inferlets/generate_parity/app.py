@@ -32,7 +32,7 @@ def run_case(name: str, host: bool) -> dict:
         if "grammar" in case:  # (no host calls at import: the build snapshots the module)
             kwargs["grammar"] = Grammar.regex(case["grammar"])
         if host:
-            tokens = ctx.complete(**kwargs)
+            tokens = ctx.complete(**kwargs).tokens
         else:
             tokens = list(ctx.generate(**kwargs))
         # The context's state after the loop: every token, and how many are in the KV.

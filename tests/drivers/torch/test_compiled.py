@@ -14,6 +14,7 @@ import torch
 from bridge_schema.messages import Adapter, Hello
 from drivers.errors import ConfigRejected
 from drivers.torch.checkpoint import Checkpoint
+from drivers.torch.compiled import CompiledModel
 from drivers.torch.driver import DriverOptions, TorchDriver
 from tests.drivers.torch.helpers import (
     brle,
@@ -90,6 +91,16 @@ def test_lora_pass_runs_eager_and_equals_eager(tmp_path: Path, gemma: Checkpoint
     torch.testing.assert_close(got, eager.logits(forward([spec])), atol=1e-4, rtol=0)
     base = compiled.logits(forward([request(toks, 0, PAGES, PS, all_rows=True)]))
     assert (got - base).abs().max() > 1e-2  # the adapter is applied
+
+
+def test_each_compiled_model_compiles_its_own_code(compiled: TorchDriver) -> None:
+    # Dynamo keeps graphs per code object and fails past 8 there (fullgraph): models that differ
+    # in dtype or weights (3 graphs each) must not share one, or a process's third model fails.
+    assert compiled.compiled is not None
+    other = CompiledModel(compiled.model)
+    for mine, theirs in ((compiled.compiled._layer, other._layer), (compiled.compiled._logits, other._logits)):
+        code = mine._torchdynamo_orig_callable.__code__
+        assert code is not theirs._torchdynamo_orig_callable.__code__
 
 
 def test_compile_is_cpu_only(gemma: Checkpoint) -> None:

@@ -40,6 +40,7 @@ class RunLog:
         self._first_seq = 0
         self._is_ended = False
         self._changed = asyncio.Event()
+        self._is_notify_queued = False  # a `_notify` is on its way to the loop: no need for another
         self._inbox = Inbox()
 
     # ------------------------------------------------------------------ RunIO (run thread)
@@ -88,6 +89,9 @@ class RunLog:
                 drop = len(self._events) - MAX_KEPT_EVENTS
                 del self._events[:drop]
                 self._first_seq += drop
+            if self._is_notify_queued:  # followers will see this event with the ones before it
+                return
+            self._is_notify_queued = True
         try:
             self._loop.call_soon_threadsafe(self._notify)
         except RuntimeError:
@@ -95,6 +99,8 @@ class RunLog:
 
     def _notify(self) -> None:
         """On the loop: wake every follower (each holds the event that was current)."""
+        with self._lock:
+            self._is_notify_queued = False  # events appended from now on queue a new one
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 

@@ -102,10 +102,8 @@ async def _serve(
         events = _stream(daemon, kind, record, renderer, started, early)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     try:
-        async for event in _events(record, early):
-            update = _update(event)
-            if update is not None:
-                renderer.apply(update)
+        async for update in _updates(record, early):
+            renderer.apply(update)
     except asyncio.CancelledError:
         record.cancel()
         raise
@@ -141,12 +139,33 @@ async def _start(daemon: Daemon, job: Job, owner: str) -> tuple[RunRecord, list[
     raise AssertionError("unreachable: the second attempt returns")
 
 
-async def _events(record: RunRecord, early: list[RunEvent]) -> AsyncIterator[RunEvent]:
-    for event in early:
-        yield event
+async def _updates(record: RunRecord, early: list[RunEvent]) -> AsyncIterator[dict[str, Any]]:
+    """The chat run's renderer updates, in order: its messages (README of inferlets/chat), and its
+    output stream, which is the text of choice 0 when the host runs the generation loop. Output
+    chunks that arrived together (the client fell behind) become one update, and so one chunk."""
+    for update in _batch_updates(early):
+        yield update
     if early[-1].kind != "end":
-        async for event in record.log.follow(early[-1].seq + 1):
-            yield event
+        async for batch in record.log.follow_batches(early[-1].seq + 1):
+            for update in _batch_updates(batch):
+                yield update
+
+
+def _batch_updates(batch: list[RunEvent]) -> list[dict[str, Any]]:
+    updates: list[dict[str, Any]] = []
+    text: list[str] = []
+    for event in batch:
+        if event.kind == "output":
+            text.append(event.data)
+            continue
+        if text:
+            updates.append({"deltas": [[0, "".join(text), None]]})
+            text = []
+        if event.kind == "message":
+            updates.append(json.loads(event.data))
+    if text:
+        updates.append({"deltas": [[0, "".join(text), None]]})
+    return updates
 
 
 async def _stream(
@@ -156,10 +175,7 @@ async def _stream(
     try:
         for chunk in renderer.first_chunks():
             yield sse(chunk)
-        async for event in _events(record, early):
-            update = _update(event)
-            if update is None:
-                continue
+        async for update in _updates(record, early):
             for chunk in renderer.update_chunks(renderer.apply(update)):
                 if is_first:
                     daemon.first_token.observe(time.monotonic() - started, kind)
@@ -179,17 +195,6 @@ async def _stream(
     finally:
         if not record.done.is_set():
             record.cancel()  # the client went away: stop generating for nobody
-
-
-def _update(event: RunEvent) -> dict[str, Any] | None:
-    """A chat run's event as a renderer update: its messages (README of inferlets/chat), and its
-    output stream, which is the text of choice 0 when the host runs the generation loop."""
-    if event.kind == "message":
-        update: dict[str, Any] = json.loads(event.data)
-        return update
-    if event.kind == "output":
-        return {"deltas": [[0, event.data, None]]}
-    return None
 
 
 def _run_error(record: RunRecord) -> ApiError | None:

@@ -106,6 +106,13 @@ class RunLog:
 
     async def follow(self, start_seq: int = 0) -> AsyncIterator[RunEvent]:
         """Events from `start_seq` on, live, until the run's end event."""
+        async for batch in self.follow_batches(start_seq):
+            for event in batch:
+                yield event
+
+    async def follow_batches(self, start_seq: int = 0) -> AsyncIterator[list[RunEvent]]:
+        """`follow`, in the batches that were there together each time the follower looked (a
+        follower that falls behind gets several events at once, and may send them as one)."""
         seq = start_seq
         while True:
             with self._lock:
@@ -113,9 +120,12 @@ class RunLog:
                     raise LookupError(f"events before {self._first_seq} of {self._label} were dropped")
                 new = self._events[seq - self._first_seq :]
                 waiter = self._changed
-            for event in new:
-                yield event
+            for i, event in enumerate(new):
                 if event.kind == "end":
+                    if new[: i + 1]:
+                        yield new[: i + 1]
                     return
+            if new:
+                yield new
             seq += len(new)
             await waiter.wait()

@@ -136,3 +136,35 @@ def test_the_engine_asks_for_several_steps_only_once_passes_are_timed_short() ->
     with Engine.start("dummy", ["--num-pages", "64"], max_decode_steps=1) as off:
         _single_steps(off, next(_runs), Sampler(), 4)
         assert off.max_decode_steps() == 1
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_multi_step_generations_and_speculation_interleave(depth: int) -> None:
+    """With the speculator on, a context alternates single decode steps (served from staged
+    passes, with deferred tokens) and multi-step requests, and a generation stops inside a
+    multi-step pass; every token is still what plain single steps give."""
+    sampler = Sampler.random(0.9, seed=11)
+    with Engine.start("dummy", ["--num-pages", "256", "--page-size", str(PAGE)], speculation_depth=depth) as e:
+        run = next(_runs)
+        expected = _single_steps(e, run, sampler, 40)
+        ctx, token = _prompt(e, run, sampler)
+        got: list[int] = []
+        for _ in range(6):  # warm chains: the speculator stages after each plain step
+            token = e.forward(run, ctx, _step(token, sampler)).outputs[0].token
+            got.append(token)
+
+        def next_step(result: PassResult) -> tuple[int, PassRequest | None]:
+            outputs = [o.token for o in result.outputs]
+            room = 20 - len(got)
+            got.extend(outputs[:room])
+            if len(outputs) >= room:
+                return room, None
+            return len(outputs), _step(got[-1], sampler, steps=6)
+
+        e.generate(run, ctx, _step(token, sampler, steps=6), next_step)
+        for _ in range(20):  # plain steps again, after a generation that stopped mid-pass
+            token = e.forward(run, ctx, _step(got[-1], sampler)).outputs[0].token
+            got.append(token)
+        assert got == expected[:40]
+        assert e.speculation_stats()["speculation_hits"] > 0  # the single steps were served staged
+        e.end_run(run)

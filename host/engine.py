@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 # A multi-step pass should hold the device about this long at most (see `max_decode_steps`).
-MULTI_STEP_BUDGET_S = 0.004
+MULTI_STEP_BUDGET_S = 0.010
 
 
 class Engine:
@@ -258,7 +258,7 @@ class Engine:
         return max(1, min(self._max_decode_steps, int(MULTI_STEP_BUDGET_S / self._step_s)))
 
     def _note_pass_time(self, batch: Batch, elapsed_s: float) -> None:
-        """A pass took `elapsed_s` from send to reply (loop thread)."""
+        """A pass took `elapsed_s` at the driver, from its start to its reply (loop thread)."""
         steps = max(chunk.item.steps for chunk in batch.chunks)
         sample = elapsed_s / steps
         self._step_s = sample if not self._step_s else 0.8 * self._step_s + 0.2 * sample

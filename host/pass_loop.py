@@ -35,6 +35,7 @@ MAX_PASSES_IN_FLIGHT = 2
 class PassLoop:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self.last_reply_at = 0.0  # perf_counter of the last pass reply
 
     def thread_main(self) -> None:
         e = self.engine
@@ -152,7 +153,10 @@ class PassLoop:
             self.batch_failed(batch, DriverFailed(f"the driver link failed during a pass: {exc}"), True)
         else:
             t0 = time.perf_counter()
-            e._note_pass_time(batch, t0 - sent_at)
+            # The driver runs passes in order: this one started when it was sent or when the one
+            # before it ended, whichever came later. Time spent queued behind that one is not its own.
+            e._note_pass_time(batch, t0 - max(sent_at, self.last_reply_at))
+            self.last_reply_at = t0
             outputs = split_result(forward, result)
             with e._lock:
                 e._num_in_flight -= 1

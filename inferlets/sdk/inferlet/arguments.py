@@ -18,6 +18,11 @@ class ArgumentParser(argparse.ArgumentParser):
         kwargs.setdefault("add_help", False)  # -h would print to the guest's stderr and exit
         super().__init__(*args, **kwargs)
 
+    def _get_formatter(self) -> argparse.HelpFormatter:
+        # argparse builds a formatter on every add_argument, and a formatter without a width asks
+        # the terminal for one: a WASI call each time, in a guest that has no terminal.
+        return self.formatter_class(prog=self.prog, width=100)
+
     def error(self, message: str) -> NoReturn:
         raise InferletError(f"{self.prog}: {message}\n{self.format_usage().strip()}")
 

@@ -6,15 +6,23 @@ import json
 from inferlet import ArgumentParser, Context, detokenize, emit, model_info, send, top_k_all
 
 
-def parse(args: list[str]):
+def _parser() -> ArgumentParser:
     parser = ArgumentParser(prog="beam_search")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--beam-width", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--length-penalty", type=float, default=1.0, help="score = logprob / length**penalty")
-    opts = parser.parse_args(args)
+    return parser
+
+
+# Built at import: the build's snapshot holds it, and a run only parses.
+PARSER = _parser()
+
+
+def parse(args: list[str]):
+    opts = PARSER.parse_args(args)
     if opts.beam_width < 1 or opts.max_tokens < 1:
-        parser.error("--beam-width and --max-tokens must be at least 1")
+        PARSER.error("--beam-width and --max-tokens must be at least 1")
     return opts
 
 

@@ -4,13 +4,21 @@ so the output is digits whatever the model would rather say."""
 from inferlet import ArgumentParser, Context, Greedy, LogitMask, Random, detokenize, emit, model_info, tokenize
 
 
-def main(args: list[str]) -> None:
+def _parser() -> ArgumentParser:
     parser = ArgumentParser(prog="digits")
     parser.add_argument("--prompt", default="A random number: ")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
     parser.add_argument("--seed", type=int, default=-1)
-    opts = parser.parse_args(args)
+    return parser
+
+
+# Built at import: the build's snapshot holds it, and a run only parses.
+PARSER = _parser()
+
+
+def main(args: list[str]) -> None:
+    opts = PARSER.parse_args(args)
     sampler = Greedy() if opts.temperature == 0 else Random(opts.temperature, seed=opts.seed)
     digit_tokens = {t for d in "0123456789" for t in tokenize(d)}
     mask = LogitMask.allow(digit_tokens, model_info().vocab_size)

@@ -6,7 +6,7 @@ from hierarchy import Hierarchy
 from inferlet import ArgumentParser, Context, Greedy, InferletError, Random, TextDecoder, emit, model_info
 
 
-def parse(args: list[str]):
+def _parser() -> ArgumentParser:
     parser = ArgumentParser(prog="hierarchical_attention")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--chunk", type=int, default=32, help="tokens per chunk")
@@ -19,7 +19,15 @@ def parse(args: list[str]):
     parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     parser.add_argument("--seed", type=int, default=-1)
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
-    return parser.parse_args(args)
+    return parser
+
+
+# Built at import: the build's snapshot holds it, and a run only parses.
+PARSER = _parser()
+
+
+def parse(args: list[str]):
+    return PARSER.parse_args(args)
 
 
 def main(args: list[str]) -> None:

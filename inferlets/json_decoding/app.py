@@ -21,7 +21,7 @@ from inferlet import (
 )
 
 
-def parse(args: list[str]):
+def _parser() -> ArgumentParser:
     parser = ArgumentParser(prog="json_decoding")
     parser.add_argument("--prompt", default="Answer in JSON.")
     kind = parser.add_mutually_exclusive_group()
@@ -36,7 +36,15 @@ def parse(args: list[str]):
     parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     parser.add_argument("--seed", type=int, default=-1)
     parser.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
-    return parser.parse_args(args)
+    return parser
+
+
+# Built at import: the build's snapshot holds it, and a run only parses.
+PARSER = _parser()
+
+
+def parse(args: list[str]):
+    return PARSER.parse_args(args)
 
 
 def compile_grammar(schema: str, allow_unsupported: bool) -> Grammar:

@@ -9,16 +9,24 @@ import json
 from inferlet import ArgumentParser, Context, Random, TextDecoder, decode_steps, emit, model_info, send
 
 
-def parse(args: list[str]):
+def _parser() -> ArgumentParser:
     parser = ArgumentParser(prog="parallel_generation")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--branches", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=-1, help="branch i samples with seed + i")
-    opts = parser.parse_args(args)
+    return parser
+
+
+# Built at import: the build's snapshot holds it, and a run only parses.
+PARSER = _parser()
+
+
+def parse(args: list[str]):
+    opts = PARSER.parse_args(args)
     if opts.branches < 1 or opts.max_tokens < 0:
-        parser.error("--branches must be at least 1 and --max-tokens not negative")
+        PARSER.error("--branches must be at least 1 and --max-tokens not negative")
     return opts
 
 

@@ -29,7 +29,7 @@ def lookup(tokens: list[int], max_ngram: int, num_draft: int) -> list[int]:
     return []
 
 
-def main(args: list[str]) -> None:
+def _parser() -> ArgumentParser:
     parser = ArgumentParser(prog="spec_ngram")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -42,7 +42,15 @@ def main(args: list[str]) -> None:
     # For tests and benchmarks: where drafts come from.
     parser.add_argument("--drafts", choices=["lookup", "oracle", "bad"], default="lookup")
     parser.add_argument("--oracle", default="", help="comma-separated token ids to draft from (--drafts oracle)")
-    opts = parser.parse_args(args)
+    return parser
+
+
+# Built at import: the build's snapshot holds it, and a run only parses.
+PARSER = _parser()
+
+
+def main(args: list[str]) -> None:
+    opts = PARSER.parse_args(args)
     sampler = Greedy() if opts.temperature == 0 else Random(opts.temperature, seed=opts.seed)
     matcher = Grammar.json_object().matcher() if opts.json else None
     stop = set(model_info().stop_tokens)

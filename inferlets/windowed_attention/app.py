@@ -5,7 +5,7 @@ most recent ones, so a long generation costs its window per step, not its whole 
 from inferlet import ArgumentParser, Context, Greedy, Random, Window, emit
 
 
-def main(args: list[str]) -> None:
+def _parser() -> ArgumentParser:
     parser = ArgumentParser(prog="windowed_attention")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--window", type=int, default=64, help="recent keys each token sees")
@@ -14,7 +14,15 @@ def main(args: list[str]) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     parser.add_argument("--seed", type=int, default=-1)
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
-    opts = parser.parse_args(args)
+    return parser
+
+
+# Built at import: the build's snapshot holds it, and a run only parses.
+PARSER = _parser()
+
+
+def main(args: list[str]) -> None:
+    opts = PARSER.parse_args(args)
     sampler = Greedy() if opts.temperature == 0 else Random(opts.temperature, seed=opts.seed)
     with Context() as ctx:
         ctx.attention = Window(opts.window, opts.sinks)

@@ -31,8 +31,9 @@ def run_steps(forward: Callable[[Forward], ForwardResult], f: Forward, page_size
     page_ptr = f.page_indptr.astype(np.int64)
     kv_len = (page_ptr[1:] - page_ptr[:-1] - 1) * page_size + f.last_page_len.astype(np.int64)
     num_out = len(f.out_rows)
+    multi = np.flatnonzero(steps > 1)
     is_step0 = np.ones(num_out, dtype=bool)  # outputs the first pass produces
-    for r in np.flatnonzero(steps > 1).tolist():
+    for r in multi.tolist():
         is_step0[out_ptr[r] + 1 : out_ptr[r + 1]] = False
     first = _first_pass(f, steps, kv_len, page_ptr, is_step0, page_size)
     result0 = forward(first)
@@ -40,7 +41,7 @@ def run_steps(forward: Callable[[Forward], ForwardResult], f: Forward, page_size
     logprobs = np.zeros(num_out, dtype=np.float32)
     tokens[is_step0] = result0.tokens
     logprobs[is_step0] = result0.logprobs
-    active = np.flatnonzero(steps > 1)
+    active = multi
     first_pos = f.positions[f.token_indptr[:-1]].astype(np.int64)
     for j in range(1, int(steps.max())):
         active = active[steps[active] > j]

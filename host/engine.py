@@ -206,9 +206,7 @@ class Engine:
             self._check_owner(run_id, context_id)
             self._staging.invalidate(context_id)
             self._check_idle(run_id, context_id, "truncate")
-            self._pages.truncate(context_id, length)
-            if self._prefix is not None:
-                self._prefix.on_truncate(context_id, length)
+            self._truncate(context_id, length)
 
     def release_context(self, run_id: int, context_id: int) -> None:
         with self._lock:
@@ -481,7 +479,10 @@ class Engine:
         """A generation stopped inside a multi-step pass: its last `count` slots leave the
         context (lock held; nothing of the context is pending or staged after such a pass)."""
         self._staging.invalidate(context_id)
-        length = self._pages.length(context_id) - count
+        self._truncate(context_id, self._pages.length(context_id) - count)
+
+    def _truncate(self, context_id: int, length: int) -> None:
+        """The context keeps its first `length` slots (lock held)."""
         self._pages.truncate(context_id, length)
         if self._prefix is not None:
             self._prefix.on_truncate(context_id, length)
@@ -495,9 +496,7 @@ class Engine:
                 future.set_exception(error)
         end = item.kv_start + len(item.tokens)
         if self._pages.has(item.context_id) and self._pages.length(item.context_id) == end:
-            self._pages.truncate(item.context_id, item.kv_start)
-            if self._prefix is not None:
-                self._prefix.on_truncate(item.context_id, item.kv_start)
+            self._truncate(item.context_id, item.kv_start)
 
     def _wake_loop(self) -> None:
         loop, wake = self._loop, self._wake

@@ -301,9 +301,8 @@ class Scheduler:
         return None
 
     def _chunk(self, item: PendingPass, start: int, stop: int) -> Chunk:
-        if item.steps > 1:  # one token, never split: its KV and outputs cover every step
-            return self._multi_step_chunk(item)
-        kv_len = item.kv_start + stop
+        # A multi-step request (one token, never split) also holds the slots of its later steps.
+        kv_len = item.kv_start + stop + item.steps - 1
         num_pages = pages_for(kv_len, self.page_size)
         mask_rows = None
         if item.mask_rows is not None:
@@ -313,6 +312,8 @@ class Scheduler:
             for o in item.outputs
             if start <= o.row < stop
         ]
+        if item.steps > 1:  # its one output samples every step, on rows 0 .. steps-1
+            outputs = [replace(outputs[0], row=j) for j in range(item.steps)]
         pages: Sequence[int] = item.pages[:num_pages]
         last_page_len = kv_len - (num_pages - 1) * self.page_size
         if mask_rows is not None:  # pages no row attends to stay out of the pass
@@ -330,26 +331,9 @@ class Scheduler:
             adapter_id=item.adapter_id,
             mask_rows=mask_rows,
             deferred=item.deferred and start == 0,
-        )
-        return Chunk(item, start, stop, spec)
-
-    def _multi_step_chunk(self, item: PendingPass) -> Chunk:
-        kv_len = item.kv_start + item.steps
-        num_pages = pages_for(kv_len, self.page_size)
-        (o,) = item.outputs
-        spec = RequestSpec(
-            context_id=item.context_id,
-            tokens=item.tokens,
-            positions=item.positions,
-            pages=item.pages[:num_pages],
-            last_page_len=kv_len - (num_pages - 1) * self.page_size,
-            outputs=[replace(o, row=j) for j in range(item.steps)],
-            adapter_id=item.adapter_id,
-            deferred=item.deferred,
             steps=item.steps,
         )
-        assert HOLE not in spec.pages, "a multi-step request reached a context with released pages"
-        return Chunk(item, 0, 1, spec)
+        return Chunk(item, start, stop, spec)
 
 
 @dataclass(slots=True)

@@ -20,9 +20,7 @@ class TextStream:
 
     def push(self, token: int) -> str:
         self._tokens.append(token)
-        decode = self._tokenizer.decode
-        prefix = decode(self._tokens[self._prefix_offset : self._read_offset])
-        full = decode(self._tokens[self._prefix_offset :])
+        prefix, full = self._window()
         if full.endswith("\ufffd") or len(full) < len(prefix):
             return ""  # a character is still incomplete: wait for the tokens that finish it
         # Advance even past a token with no text (a special token), so the window stays small.
@@ -32,6 +30,11 @@ class TextStream:
 
     def held(self) -> str:
         """The text of the tokens pushed so far that `push` has not returned yet."""
+        prefix, full = self._window()
+        return full[len(prefix) :]
+
+    def _window(self) -> tuple[str, str]:
+        """(text of the context tokens already returned, text of the whole window)."""
+        window = self._tokens[self._prefix_offset :]
         decode = self._tokenizer.decode
-        prefix = decode(self._tokens[self._prefix_offset : self._read_offset])
-        return decode(self._tokens[self._prefix_offset :])[len(prefix) :]
+        return decode(window[: self._read_offset - self._prefix_offset]), decode(window)

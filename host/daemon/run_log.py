@@ -120,12 +120,9 @@ class RunLog:
                     raise LookupError(f"events before {self._first_seq} of {self._label} were dropped")
                 new = self._events[seq - self._first_seq :]
                 waiter = self._changed
-            for i, event in enumerate(new):
-                if event.kind == "end":
-                    if new[: i + 1]:
-                        yield new[: i + 1]
-                    return
             if new:
                 yield new
+                if new[-1].kind == "end":  # always the last event: nothing follows it
+                    return
             seq += len(new)
             await waiter.wait()

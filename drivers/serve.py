@@ -10,12 +10,10 @@ import logging
 import os
 import signal
 import sys
-import time
 from dataclasses import dataclass, field
 
 import anyio
 import anyio.abc
-import anyio.to_thread
 
 from bridge_schema.codec import decode, encode, peek_id
 from bridge_schema.errors import ConnectionClosed, FrameError, RangeError, SchemaError
@@ -42,7 +40,7 @@ from drivers.deferred import DeferredTokens
 from drivers.errors import DriverError
 from drivers.multistep import run_steps
 from drivers.protocol import Driver
-from drivers.timing import sleep_until
+from drivers.timing import DueTimer
 
 log = logging.getLogger("drivers.serve")
 
@@ -163,11 +161,14 @@ async def _read_and_handle(
 
 async def _write_due_replies(conn: Connection, replies: anyio.abc.ObjectReceiveStream[tuple[Message, float]]) -> None:
     """Send queued replies in order, each no earlier than its due time (perf_counter seconds)."""
-    async for reply, due in replies:
-        if due > time.perf_counter():
-            await anyio.to_thread.run_sync(sleep_until, due)  # the event loop's timers are too coarse
-        if not await _try_send(conn, reply):
-            return
+    timer = DueTimer()  # the event loop's own timers round to milliseconds
+    try:
+        async for reply, due in replies:
+            await timer.wait_until(due)
+            if not await _try_send(conn, reply):
+                return
+    finally:
+        timer.close()
 
 
 async def _try_send(conn: Connection, reply: Message) -> bool:

@@ -1,7 +1,8 @@
 """Cross-field invariants of decoded messages: CSR shapes, value ranges, limits.
 
 Vectorised with numpy so a 16k-token prefill or a 256-request decode checks in microseconds.
-Every failure is a `SchemaError` subclass naming the field.
+Every failure is a `SchemaError` subclass naming the field. On the hot path a boolean test is
+`np.count_nonzero`, which costs a third of `ndarray.any()`/`.all()` on short arrays.
 """
 
 from __future__ import annotations
@@ -146,13 +147,13 @@ def _check_steps(
 
 def _check_deferred(f: Forward, n_tokens: npt.NDArray[np.int64]) -> None:
     d = f.deferred
-    if len(d) > 1 and (d[1:] <= d[:-1]).any():
+    if len(d) > 1 and np.count_nonzero(d[1:] <= d[:-1]):
         raise ShapeError("request indices must be strictly increasing", "deferred")
     if int(d[-1]) >= len(n_tokens):
         raise RangeError(f"request index {int(d[-1])} >= {len(n_tokens)} requests", "deferred")
-    if (n_tokens[d] == 0).any():
+    if np.count_nonzero(n_tokens[d] == 0):
         raise ShapeError("a deferred request has no token to replace", "deferred")
-    if f.tokens[f.token_indptr[d]].any():
+    if np.count_nonzero(f.tokens[f.token_indptr[d]]):
         raise RangeError("a deferred request's first token is sent as 0", "tokens")
 
 
@@ -165,11 +166,11 @@ def _check_outputs(f: Forward, n_inputs: npt.NDArray[np.int64], n_out: npt.NDArr
         return
     is_one_each = o == len(n_inputs) and int(n_out.max()) == 1  # the common decode batch
     request_of = None if is_one_each else np.repeat(np.arange(len(n_inputs)), n_out)
-    if (f.out_rows >= (n_inputs if request_of is None else n_inputs[request_of])).any():
+    if np.count_nonzero(f.out_rows >= (n_inputs if request_of is None else n_inputs[request_of])):
         raise RangeError("an output row is past its request's tokens", "out_rows")
     if request_of is not None and o > 1:
         same_request = request_of[1:] == request_of[:-1]
-        if (same_request & (f.out_rows[1:] <= f.out_rows[:-1])).any():
+        if np.count_nonzero(same_request & (f.out_rows[1:] <= f.out_rows[:-1])):
             raise ShapeError("rows of one request must be strictly increasing", "out_rows")
     # One combined test on the fast path; the per-field tests below only run to name the field.
     # Written so that NaN fails every comparison.
@@ -185,7 +186,7 @@ def _check_outputs(f: Forward, n_inputs: npt.NDArray[np.int64], n_out: npt.NDArr
         & (f.probe <= _PROBE_ALL)
         & (f.logit_mask_index >= -1)
     )
-    if ok.all():
+    if np.count_nonzero(ok) == o:
         return
     for field, valid, message in (
         ("sampler", f.sampler <= _MAX_SAMPLER, "unknown sampler kind"),
@@ -221,7 +222,7 @@ def _check_limits(
     if int(f.last_page_len.max()) > lim.page_size:
         raise RangeError(f"{int(f.last_page_len.max())} > page size {lim.page_size}", "last_page_len")
     kv_len = (n_pages - 1) * lim.page_size + f.last_page_len.astype(np.int64)
-    if (kv_len < n_inputs).any():
+    if np.count_nonzero(kv_len < n_inputs):
         bad = int(np.argmax(kv_len < n_inputs))
         raise ShapeError(f"request {bad} has {int(kv_len[bad])} KV slots for {int(n_inputs[bad])} tokens", "pages")
     mask_bytes = 4 * (len(f.mask_runs) + len(f.logit_masks))
@@ -256,7 +257,7 @@ def check_forward_result(res: ForwardResult, limits: Limits | None) -> None:
         ("dist_indptr", res.dist_indptr, len(res.dists)),
     ):
         # Most replies carry no probes: an all-zero indptr over no data is valid as it stands.
-        if data_len or len(indptr) != o + 1 or indptr.any():
+        if data_len or len(indptr) != o + 1 or np.count_nonzero(indptr):
             _counts(name, indptr, o, data_len)
     if len(res.topk_logprobs) != len(res.topk_ids):
         raise ShapeError("must match topk_ids", "topk_logprobs")

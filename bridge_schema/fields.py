@@ -85,7 +85,7 @@ def field_decoder(wire: Wire, name: str) -> Callable[[Any], Any]:
             if len(raw) % itemsize:
                 raise FieldError(f"{len(raw)} bytes is not a whole number of {wire.dtype} items", name)
             arr = np.frombuffer(raw, dtype=dtype)
-            if is_float and arr.size and not np.isfinite(arr).all():
+            if is_float and arr.size and np.count_nonzero(np.isfinite(arr)) != arr.size:
                 if not wire.logprobs:
                     raise RangeError("contains NaN or infinity", name)
                 if np.isnan(arr).any() or (arr == np.inf).any():

@@ -47,7 +47,7 @@ class DeferredTokens:
         """Remember, per context of `f`, the token of its request's last output row."""
         ends = f.out_indptr[1:].astype(np.int64)
         has_output = ends > f.out_indptr[:-1]
-        if not has_output.any():
+        if not np.count_nonzero(has_output):
             return
         tokens = result.tokens[ends[has_output] - 1].tolist()
         last = self._last

@@ -28,6 +28,11 @@ from bridge_schema.messages import (
 _PROBE_ALL = int(Probe.LOGPROBS | Probe.DISTRIBUTION)
 _MAX_SAMPLER = int(max(SamplerKind))  # enum lookups cost microseconds each on the hot path
 _GREEDY = int(SamplerKind.GREEDY)
+# Per-row bounds of the sampler floats (temperature, top_p, min_p), inclusive, in float32:
+# temperature in [0, max finite], top_p in (0, 1], min_p in [0, 1).
+_F32 = np.float32
+_FLOAT_LO = np.array([[0.0], [np.nextafter(_F32(0), _F32(1))], [0.0]], dtype=_F32)
+_FLOAT_HI = np.array([[np.finfo(_F32).max], [1.0], [np.nextafter(_F32(1), _F32(0))]], dtype=_F32)
 _PER_OUTPUT = (
     "sampler",
     "temperature",
@@ -173,21 +178,21 @@ def _check_outputs(f: Forward, n_inputs: npt.NDArray[np.int64], n_out: npt.NDArr
         if np.count_nonzero(same_request & (f.out_rows[1:] <= f.out_rows[:-1])):
             raise ShapeError("rows of one request must be strictly increasing", "out_rows")
     # One combined test on the fast path; the per-field tests below only run to name the field.
-    # Written so that NaN fails every comparison.
-    temperature_ok = ((f.temperature > 0) & (f.temperature < np.inf)) | ((f.temperature == 0) & (f.sampler == _GREEDY))
-    ok = (
-        (f.sampler <= _MAX_SAMPLER)
-        & temperature_ok
-        & (f.top_p > 0)
-        & (f.top_p <= 1)
-        & (f.min_p >= 0)
-        & (f.min_p < 1)
-        & (f.seed >= -1)
-        & (f.probe <= _PROBE_ALL)
-        & (f.logit_mask_index >= -1)
-    )
-    if np.count_nonzero(ok) == o:
+    # The sampler floats as the rows of one [3, O] array against per-row bounds (written so
+    # that NaN fails); then temperature 0 only on greedy rows, and the integer fields' ranges.
+    floats = np.concatenate((f.temperature, f.top_p, f.min_p)).reshape(3, o)
+    if (
+        np.count_nonzero((floats >= _FLOAT_LO) & (floats <= _FLOAT_HI)) == 3 * o
+        and (
+            np.count_nonzero(f.temperature) == o or not np.count_nonzero((f.temperature == 0) & (f.sampler != _GREEDY))
+        )
+        and int(f.sampler.max()) <= _MAX_SAMPLER
+        and int(f.probe.max()) <= _PROBE_ALL
+        and int(f.seed.min()) >= -1
+        and int(f.logit_mask_index.min()) >= -1
+    ):
         return
+    temperature_ok = ((f.temperature > 0) & (f.temperature < np.inf)) | ((f.temperature == 0) & (f.sampler == _GREEDY))
     for field, valid, message in (
         ("sampler", f.sampler <= _MAX_SAMPLER, "unknown sampler kind"),
         ("temperature", temperature_ok, "must be finite and > 0 for random sampling (use greedy for 0)"),

@@ -14,17 +14,22 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _S11, _S27, _S30, _S31 = (np.uint64(n) for n in (11, 27, 30, 31))
 
 
-def _splitmix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+def _splitmix64(z: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """splitmix64's finalizer, in place on `z` (fewer temporaries on the drivers' hot path)."""
     # Wrapping uint64 array arithmetic is what we want (numpy only warns for scalars).
-    z = x + _GOLDEN
-    z = (z ^ (z >> _S30)) * _M1
-    z = (z ^ (z >> _S27)) * _M2
-    return z ^ (z >> _S31)
+    z += _GOLDEN
+    z ^= z >> _S30
+    z *= _M1
+    z ^= z >> _S27
+    z *= _M2
+    z ^= z >> _S31
+    return z
 
 
 def seeded_uniform(seeds: npt.ArrayLike, positions: npt.ArrayLike) -> npt.NDArray[np.float64]:
     """One uniform draw in [0, 1) per (seed, position) pair; seeds must be >= 0."""
-    s = np.atleast_1d(np.asarray(seeds, dtype=np.int64)).astype(np.uint64)
-    p = np.atleast_1d(np.asarray(positions, dtype=np.int64)).astype(np.uint64)
-    bits = _splitmix64(_splitmix64(s) ^ p)
-    return (bits >> _S11).astype(np.float64) * (1.0 / (1 << 53))
+    bits = np.array(seeds, dtype=np.int64, ndmin=1).astype(np.uint64)
+    _splitmix64(bits)
+    bits = _splitmix64(bits ^ np.asarray(positions, dtype=np.int64).astype(np.uint64))  # broadcasts
+    bits >>= _S11
+    return bits * (1.0 / (1 << 53))

@@ -18,15 +18,19 @@ import numpy as np
 from bridge_schema.messages import Forward, ForwardResult
 from drivers.errors import RequestRejected
 
-# Contexts remembered at most. A deferred request follows its source pass within a pass or two,
-# so evicting the least recently sampled contexts beyond this never drops one still needed.
+# Contexts remembered: a deferred request follows its source pass within a pass or two, so a
+# context whose token was recorded among the last MAX_CONTEXTS / 2 records is never dropped.
 MAX_CONTEXTS = 1 << 16
 
 
 class DeferredTokens:
     def __init__(self, max_contexts: int = MAX_CONTEXTS) -> None:
-        self._last: dict[int, int] = {}  # context id -> the token last sampled; oldest first
-        self._max_contexts = max_contexts
+        # Context id -> the token last sampled, in two generations: records go to `_recent`
+        # (one dict update per pass); when it holds half the budget it becomes `_older` and the
+        # previous `_older` is dropped. Lookups try `_recent` first.
+        self._recent: dict[int, int] = {}
+        self._older: dict[int, int] = {}
+        self._generation_size = max(1, max_contexts // 2)
         self.num_filled = 0  # deferred tokens filled in (reported by `Health`)
 
     def resolve(self, f: Forward) -> Forward:
@@ -35,30 +39,38 @@ class DeferredTokens:
             return f
         first = f.token_indptr[f.deferred]
         tokens = f.tokens.copy()  # decoded arrays are read-only views of the frame
+        recent, older = self._recent, self._older
         for index, ctx in zip(first.tolist(), f.context_ids[f.deferred].tolist(), strict=True):
-            token = self._last.get(ctx)
+            token = recent.get(ctx)
             if token is None:
-                raise RequestRejected(f"context {ctx} has no sampled token to continue from", "deferred")
+                token = older.get(ctx)
+                if token is None:
+                    raise RequestRejected(f"context {ctx} has no sampled token to continue from", "deferred")
             tokens[index] = token
         self.num_filled += len(first)
         return dataclasses.replace(f, tokens=tokens)
 
     def record(self, f: Forward, result: ForwardResult) -> None:
         """Remember, per context of `f`, the token of its request's last output row."""
-        ends = f.out_indptr[1:].astype(np.int64)
-        has_output = ends > f.out_indptr[:-1]
+        ptr = f.out_indptr  # validated: monotone, from 0 to the number of outputs
+        r = len(f.context_ids)
+        if len(result.tokens) == r and np.count_nonzero(ptr[1:] - ptr[:-1]) == r:
+            # The common decode pass: one output per request (R outputs, none without one).
+            self._remember(f.context_ids.tolist(), result.tokens.tolist())
+            return
+        ends = ptr[1:].astype(np.int64)
+        has_output = ends > ptr[:-1]
         if not np.count_nonzero(has_output):
             return
-        tokens = result.tokens[ends[has_output] - 1].tolist()
-        last = self._last
-        for ctx, token in zip(f.context_ids[has_output].tolist(), tokens, strict=True):
-            last.pop(ctx, None)  # re-inserted last: the dict stays ordered by recency
-            last[ctx] = token
-        if len(last) > self._max_contexts:
-            for ctx in list(last)[: len(last) - self._max_contexts]:
-                del last[ctx]
+        self._remember(f.context_ids[has_output].tolist(), result.tokens[ends[has_output] - 1].tolist())
+
+    def _remember(self, contexts: list[int], tokens: list[int]) -> None:
+        self._recent.update(zip(contexts, tokens, strict=True))
+        if len(self._recent) >= self._generation_size:
+            self._older, self._recent = self._recent, {}
 
     def forget(self, f: Forward) -> None:
         """A pass failed: its contexts' remembered tokens may no longer be what the host expects."""
         for ctx in f.context_ids.tolist():
-            self._last.pop(ctx, None)
+            self._recent.pop(ctx, None)
+            self._older.pop(ctx, None)

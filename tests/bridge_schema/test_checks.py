@@ -202,3 +202,42 @@ def test_sampler_floats_reject_nan_and_infinity(field: str, bad: float) -> None:
     values = np.array([0.5, 0.5, 0.5], np.float32)
     values[0] = bad
     _expect(RangeError, field, _with(**{field: values}))
+
+
+_F32_MAX = float(np.finfo(np.float32).max)
+_TINY = float(np.nextafter(np.float32(0), np.float32(1)))
+_BELOW_ONE = float(np.nextafter(np.float32(1), np.float32(0)))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "valid"),
+    [
+        ("temperature", _F32_MAX, True),
+        ("temperature", _TINY, True),
+        ("temperature", -_TINY, False),
+        ("top_p", 1.0, True),
+        ("top_p", _TINY, True),
+        ("top_p", 0.0, False),
+        ("top_p", 1.0000001, False),
+        ("min_p", 0.0, True),
+        ("min_p", _BELOW_ONE, True),
+        ("min_p", 1.0, False),
+        ("min_p", -_TINY, False),
+    ],
+)
+def test_sampler_float_bounds_on_the_random_row(field: str, value: float, valid: bool) -> None:
+    """The edges of each sampler float's range, on the row that samples at random (row 0)."""
+    values = getattr(sample_forward(), field).copy()
+    values[0] = value
+    message = _with(**{field: values})
+    if valid:
+        decode(encode(message), LIMITS)
+    else:
+        _expect(RangeError, field, message)
+
+
+def test_temperature_zero_is_valid_on_greedy_rows_only() -> None:
+    f = _with(temperature=np.zeros(3, np.float32))  # row 0 samples at random
+    _expect(RangeError, "temperature", f)
+    greedy = dataclasses.replace(f, sampler=np.zeros(3, np.uint8))
+    decode(encode(greedy), LIMITS)

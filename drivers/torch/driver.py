@@ -46,6 +46,9 @@ class DriverOptions:
     # "dense" (the activation dtype), "int8" (weight-only, bf16/fp16 only) or "w8a8" (int8 weights
     # and per-row int8 activations in the matmuls): see `quantize.py`.
     weights: str = "dense"
+    # w8a8 on the CPU: the C++ kernel of `w8a8_kernel.py` where it builds; False keeps the torch
+    # path (same results; for side-by-side measurements).
+    w8a8_kernel: bool = True
     # Compile each layer with torch.compile (CPU only; see `compiled.py`); compiles at the handshake.
     compile: bool = False
 
@@ -86,7 +89,7 @@ class TorchDriver:
         self.dtype = DTYPES[options.dtype]
         self.model = fuse_projections(build_model(ckpt, self.device, self.dtype))
         if options.weights != "dense":
-            self.model = quantize_int8(self.model, options.weights)
+            self.model = quantize_int8(self.model, options.weights, options.w8a8_kernel)
         elif self.device.type == "cpu" and self.dtype == torch.float32:
             self.model = transpose_linears(self.model)
         self.use_triton = self.device.type == "cuda"

@@ -7,7 +7,9 @@ bytes, so 4x fewer bytes than fp32 is the main lever on the CPU. Two kinds:
 - "w8a8": each input row is also quantized to int8 (its own scale, so a row's result never depends
   on the other rows of the batch) and multiplied with the exact integer matmul `torch._int_mm`;
   any activation dtype. Measured on the 2-core dev machine (1 thread, SmolLM2's shapes), it is
-  1.6x faster than the weight-only kernel at 1 row and 2.3x at 8, at the cost of a larger error."""
+  1.6x faster than the weight-only kernel at 1 row and 2.3x at 8, at the cost of a larger error.
+  On the CPU its matmuls run the C++ kernel of `w8a8_kernel.py` where it builds (bit-identical
+  results; at 1-8 rows it streams the weights about twice as fast as `_int_mm`)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 from torch import nn
 
 from drivers.errors import ConfigRejected
+from drivers.torch import w8a8_kernel
 from drivers.torch.model import Transformer
 
 WEIGHT_KINDS = ("dense", "int8", "w8a8")
@@ -50,34 +53,50 @@ class DynamicInt8Linear(nn.Module):
 
     weight_int8: torch.Tensor
     scale: torch.Tensor
+    weight_sum: torch.Tensor
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, use_kernel: bool) -> None:
         super().__init__()
         q, scale = _per_row_int8(weight)
         self.register_buffer("weight_int8", q)  # [out, in]: `_int_mm` reads its transpose fastest
         self.register_buffer("scale", scale)
+        # The kernel's VNNI instruction needs each row's weight sum (see w8a8_kernel.cpp).
+        self.register_buffer("weight_sum", q.sum(dim=1, dtype=torch.int32))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.use_kernel = use_kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).float()
-        sx = (rows.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)
-        xq = torch.round(rows / sx).clamp(-127, 127).to(torch.int8)
-        y = (torch._int_mm(xq, self.weight_int8.T) * (sx * self.scale)).to(x.dtype)
-        y = y.reshape(*shape[:-1], y.shape[-1])
+        if self.use_kernel:
+            y = torch.ops.wafer.w8a8_linear(rows, self.weight_int8, self.scale, self.weight_sum)
+        else:
+            y = w8a8_reference(rows, self.weight_int8, self.scale)
+        y = y.to(x.dtype).reshape(*shape[:-1], y.shape[-1])
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
 
-def quantize_int8(model: Transformer, kind: str = "int8") -> Transformer:
-    """Replace the model's linear layers (and output head) by int8 ones of `kind`, in place."""
+def w8a8_reference(rows: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The torch path of `DynamicInt8Linear` on float32 `rows` [M, in]: float32 [M, out]."""
+    sx = (rows.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)
+    xq = torch.round(rows / sx).clamp(-127, 127).to(torch.int8)
+    return torch._int_mm(xq, weight_int8.T) * (sx * scale)
+
+
+def quantize_int8(model: Transformer, kind: str = "int8", use_kernel: bool = True) -> Transformer:
+    """Replace the model's linear layers (and output head) by int8 ones of `kind`, in place.
+    `use_kernel`: w8a8 on the CPU runs the C++ kernel where it builds (tests turn it off)."""
     dtype = model.model.embed_tokens.weight.dtype
     if kind == "int8" and dtype not in (torch.bfloat16, torch.float16):
         raise ConfigRejected("int8 weights need --dtype bfloat16 or float16 activations", "weights")
     if kind not in ("int8", "w8a8"):
         raise ConfigRejected(f"weights must be one of {WEIGHT_KINDS}, got {kind!r}", "weights")
 
+    on_cpu = model.model.embed_tokens.weight.device.type == "cpu"
+    kernel = kind == "w8a8" and use_kernel and on_cpu and w8a8_kernel.load()
+
     def convert(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
-        return Int8Linear(weight, bias, dtype) if kind == "int8" else DynamicInt8Linear(weight, bias)
+        return Int8Linear(weight, bias, dtype) if kind == "int8" else DynamicInt8Linear(weight, bias, kernel)
 
     for block in model.model.blocks():
         for parent in (block.self_attn, block.mlp):

@@ -77,8 +77,8 @@ async def start_run(request: Request) -> JSONResponse:
         component = daemon.chat_component
     else:
         component = await anyio.to_thread.run_sync(daemon.store.load, body.inferlet)
-    record = await daemon.runs.start(
-        component, body.inferlet, body.args, "inferlet", ENGINE_WAIT_S, owner=key_id_of(request)
+    record, _ = await daemon.runs.start(
+        component, body.inferlet, "inferlet", ENGINE_WAIT_S, lambda _engine: (body.args, None), owner=key_id_of(request)
     )
     return JSONResponse(record.describe(), status_code=201)
 

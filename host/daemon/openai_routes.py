@@ -31,6 +31,7 @@ log = logging.getLogger("wafer.daemon.openai")
 router = APIRouter(tags=["openai"])
 
 R = TypeVar("R", bound=BaseModel)
+Prepared = tuple[str, Job, Tokenizer]  # the served model's name, the job, the engine's tokenizer
 
 
 def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
@@ -83,16 +84,15 @@ async def _serve(
     daemon = daemon_of(request)
     started = time.monotonic()
 
-    def prepared() -> tuple[str, Engine, Job]:
-        """In one worker thread: waiting for the driver, rendering, tokenizing, compiling."""
+    def prepared(engine: Engine) -> tuple[list[str], Prepared]:
+        """In the worker thread that starts the run: rendering, tokenizing, compiling."""
         served = daemon.served_model()
         check_model(req.model, served)
-        engine = daemon.engine()
-        return served, engine, prepare(req, engine.model, engine.tokenizer, engine.grammars)
+        job = prepare(req, engine.model, engine.tokenizer, engine.grammars)
+        return [json.dumps(job.args)], (served, job, engine.tokenizer)
 
-    served, engine, job = await anyio.to_thread.run_sync(prepared)
-    record, early = await _start(daemon, job, key_id_of(request))
-    renderer = Renderer(kind, job, served, engine.tokenizer, request_id_of(request))
+    record, (served, job, tokenizer), early = await _start(daemon, prepared, key_id_of(request))
+    renderer = Renderer(kind, job, served, tokenizer, request_id_of(request))
     early_error = _run_error(record) if early[-1].kind == "end" else None
     if early_error is not None:
         # It failed before generating anything: a plain error response, even for a stream.
@@ -115,13 +115,15 @@ async def _serve(
     return JSONResponse(renderer.response())
 
 
-async def _start(daemon: Daemon, job: Job, owner: str) -> tuple[RunRecord, list[RunEvent]]:
-    """Start the chat run and read it up to its first generated tokens (or its end). A run whose
-    driver died before it generated anything is started once more, on the restarted driver:
-    nothing of it reached the client, so the request need not fail."""
+async def _start(
+    daemon: Daemon, prepared: Callable[[Engine], tuple[list[str], Prepared]], owner: str
+) -> tuple[RunRecord, Prepared, list[RunEvent]]:
+    """Prepare and start the chat run, and read it up to its first generated tokens (or its end).
+    A run whose driver died before it generated anything is prepared and started once more, on
+    the restarted driver: nothing of it reached the client, so the request need not fail."""
     for attempt in (1, 2):
-        record = await daemon.runs.start(
-            daemon.chat_component, CHAT_INFERLET, [json.dumps(job.args)], "chat", ENGINE_WAIT_S, owner=owner
+        record, job = await daemon.runs.start(
+            daemon.chat_component, CHAT_INFERLET, "chat", ENGINE_WAIT_S, prepared, owner=owner
         )
         early: list[RunEvent] = []
         try:
@@ -135,7 +137,7 @@ async def _start(daemon: Daemon, job: Job, owner: str) -> tuple[RunRecord, list[
         if early[-1].kind == "end" and record.driver_lost and attempt == 1:
             log.warning("run %d lost its driver before generating; starting it again", record.run_id)
             continue
-        return record, early
+        return record, job, early
     raise AssertionError("unreachable: the second attempt returns")
 
 

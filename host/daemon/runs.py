@@ -12,9 +12,9 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio.to_thread
 from wasmtime.component import Component
@@ -24,10 +24,13 @@ from host.daemon.errors import DriverUnavailable, NotFound, TooManyRuns
 from host.daemon.logs import request_id_var
 from host.daemon.run_log import RunLog
 from host.daemon.supervisor import Supervisor
+from host.engine import Engine
 from host.sandbox import RunHandle, RunOutcome, RunStatus, Sandbox, SandboxConfig
 from host.sandbox.config import MIB
 
 log = logging.getLogger("wafer.daemon.runs")
+
+T = TypeVar("T")
 
 MAX_KEPT_FINISHED = 256  # finished runs kept for `GET /v1/runs` and late followers
 
@@ -124,44 +127,54 @@ class RunRegistry:
         self,
         component: Component,
         inferlet: str,
-        args: Sequence[str],
         kind: str,
         engine_wait_s: float,
+        prepare: Callable[[Engine], tuple[Sequence[str], T]],
         owner: str = "",
-    ) -> RunRecord:
-        """Admit and start a run (waits up to `engine_wait_s` for a restarting driver)."""
+    ) -> tuple[RunRecord, T]:
+        """Start a run, all in one worker thread: wait up to `engine_wait_s` for a (re)starting
+        driver, build the run's args on the live engine with `prepare` (which may refuse the
+        request: then nothing is admitted), admit it (the concurrent-run limit) and start it.
+        One hop, and nothing that blocks (a thread start, instantiating the component) on the
+        event loop, which serves every open stream. Returns the run and what `prepare` made."""
+        loop = asyncio.get_running_loop()
+        request_id = request_id_var.get()
+
+        def launch() -> tuple[RunRecord, T]:
+            engine, generation = self._supervisor.engine(engine_wait_s)
+            args, prepared = prepare(engine)
+            self._admit()
+            try:
+                run_log = RunLog(f"a {kind} run", loop)
+                handle = self._sandbox.start(component, engine, list(args), io=run_log, config=self._run_config)
+            except BaseException:
+                with self._lock:
+                    self._num_running -= 1
+                raise
+            record = RunRecord(handle.run_id, inferlet, kind, generation, time.time(), handle, run_log, owner=owner)
+            record.request_id = request_id
+            self._track(record)
+            return record, prepared
+
+        return await anyio.to_thread.run_sync(launch)
+
+    def _admit(self) -> None:
         with self._lock:
             if self._is_draining:
                 raise DriverUnavailable("the daemon is shutting down")
             if self._num_running >= self._config.max_concurrent_runs:
                 raise TooManyRuns(self._config.max_concurrent_runs)
             self._num_running += 1
-        try:
-            engine, generation = await anyio.to_thread.run_sync(self._supervisor.engine, engine_wait_s)
-            run_log = RunLog(f"a {kind} run", asyncio.get_running_loop())
-            handle = self._sandbox.start(component, engine, list(args), io=run_log, config=self._run_config)
-        except BaseException:
-            with self._lock:
-                self._num_running -= 1
-            raise
-        record = RunRecord(
-            handle.run_id,
-            inferlet,
-            kind,
-            generation,
-            time.time(),
-            handle,
-            run_log,
-            owner=owner,
-            request_id=request_id_var.get(),
-        )
+
+    def _track(self, record: RunRecord) -> None:
+        """Keep a started run, and watch for its end."""
         with self._lock:
             self._runs[record.run_id] = record
         threading.Thread(
             target=self._await_end, args=(record,), name=f"wafer-run-{record.run_id}-end", daemon=True
         ).start()
-        log.info("run %d started (%s %s)", record.run_id, kind, inferlet, extra={"run_id": record.run_id})
-        return record
+        extra = {"run_id": record.run_id, "request_id": record.request_id}
+        log.info("run %d started (%s %s)", record.run_id, record.kind, record.inferlet, extra=extra)
 
     def _await_end(self, record: RunRecord) -> None:
         outcome = record.handle.wait()

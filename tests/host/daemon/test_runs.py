@@ -1,0 +1,106 @@
+"""The run registry's start: one worker-thread hop that prepares, admits and starts a run, with
+nothing blocking on the event loop (which serves every open stream), on a fake sandbox."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+
+from host.daemon.config import load_config
+from host.daemon.errors import InvalidRequest, TooManyRuns
+from host.daemon.runs import RunRecord, RunRegistry
+from host.sandbox import RunOutcome, RunStatus
+
+
+class FakeHandle:
+    def __init__(self, run_id: int) -> None:
+        self.run_id = run_id
+        self.finish = threading.Event()
+
+    def wait(self, timeout_s: float | None = None) -> RunOutcome:
+        self.finish.wait(timeout_s)
+        return RunOutcome(self.run_id, RunStatus.CANCELLED, "")
+
+    def cancel(self) -> None:
+        self.finish.set()
+
+
+class FakeSandbox:
+    """Records the thread each start ran on; its runs never end until cancelled."""
+
+    def __init__(self) -> None:
+        self.start_threads: list[threading.Thread] = []
+        self.handles: list[FakeHandle] = []
+
+    def start(self, component: Any, engine: Any, args: list[str], io: Any, config: Any) -> FakeHandle:
+        self.start_threads.append(threading.current_thread())
+        self.handles.append(FakeHandle(len(self.handles) + 1))
+        return self.handles[-1]
+
+
+class FakeSupervisor:
+    def __init__(self) -> None:
+        self.engine_threads: list[threading.Thread] = []
+
+    def engine(self, timeout_s: float = 0.0) -> tuple[str, int]:
+        self.engine_threads.append(threading.current_thread())
+        return "the engine", 7
+
+
+def registry(max_runs: int) -> tuple[RunRegistry, FakeSandbox, FakeSupervisor]:
+    config = load_config({"max_concurrent_runs": max_runs}, environ={})
+    sandbox, supervisor = FakeSandbox(), FakeSupervisor()
+    return RunRegistry(config, sandbox, supervisor), sandbox, supervisor  # type: ignore[arg-type]
+
+
+def test_start_prepares_and_starts_off_the_event_loop() -> None:
+    runs, sandbox, supervisor = registry(4)
+    prepare_threads: list[threading.Thread] = []
+
+    def prepare(engine: Any) -> tuple[list[str], str]:
+        prepare_threads.append(threading.current_thread())
+        return ["--arg"], f"prepared on {engine}"
+
+    async def scenario() -> tuple[RunRecord, str, threading.Thread]:
+        record, prepared = await runs.start(object(), "chat", "chat", 1.0, prepare, owner="k")
+        return record, prepared, threading.current_thread()
+
+    record, prepared, loop_thread = asyncio.run(scenario())
+    assert prepared == "prepared on the engine"
+    assert (record.run_id, record.generation, record.owner) == (1, 7, "k")
+    # One hop: the engine wait, the preparation and the start ran on the same worker thread.
+    threads = {*supervisor.engine_threads, *prepare_threads, *sandbox.start_threads}
+    assert len(threads) == 1 and loop_thread not in threads
+    record.cancel()
+    assert record.done.wait(5)
+
+
+def test_a_refused_preparation_admits_nothing_and_comes_before_the_run_limit() -> None:
+    runs, sandbox, _ = registry(1)
+
+    def refuse(_engine: Any) -> tuple[list[str], None]:
+        raise InvalidRequest("bad request")
+
+    def accept(_engine: Any) -> tuple[list[str], None]:
+        return [], None
+
+    async def scenario() -> RunRecord:
+        with pytest.raises(InvalidRequest):
+            await runs.start(object(), "chat", "chat", 1.0, refuse)
+        assert runs.num_running == 0 and sandbox.handles == []
+        record, _ = await runs.start(object(), "chat", "chat", 1.0, accept)
+        # At the limit, a bad request still gets its 400, not a 429.
+        with pytest.raises(InvalidRequest):
+            await runs.start(object(), "chat", "chat", 1.0, refuse)
+        with pytest.raises(TooManyRuns):
+            await runs.start(object(), "chat", "chat", 1.0, accept)
+        return record
+
+    record = asyncio.run(scenario())
+    assert runs.num_running == 1
+    record.cancel()
+    assert record.done.wait(5)
+    assert runs.num_running == 0

@@ -16,7 +16,7 @@ import msgpack
 
 from bridge_schema.checks import CHECKS
 from bridge_schema.errors import FieldError, FrameError, UnknownMessage, VersionMismatch
-from bridge_schema.fields import Wire, encode_value, field_decoder
+from bridge_schema.fields import Wire, field_decoder, field_encoder
 from bridge_schema.limits import Limits
 from bridge_schema.messages import MESSAGE_TYPES, Message
 from bridge_schema.version import PROTOCOL_VERSION
@@ -29,6 +29,9 @@ _DECODERS: dict[type[Message], tuple[tuple[str, Callable[[Any], Any]], ...]] = {
     cls: tuple((name, field_decoder(wire, f"{cls.TAG}.{name}")) for name, wire in fields)
     for cls, fields in _FIELDS.items()
 }
+_ENCODERS: dict[type[Message], tuple[tuple[str, Callable[[Any], Any]], ...]] = {
+    cls: tuple((name, field_encoder(wire)) for name, wire in fields) for cls, fields in _FIELDS.items()
+}
 _BY_TAG: dict[str, type[Message]] = {cls.TAG: cls for cls in MESSAGE_TYPES}
 _RESERVED = ("t", "v")
 
@@ -37,8 +40,8 @@ def encode(message: Message) -> bytes:
     """The msgpack payload of `message` (no length prefix)."""
     cls = type(message)
     body: dict[str, Any] = {"t": cls.TAG, "v": PROTOCOL_VERSION}
-    for name, wire in _FIELDS[cls]:
-        body[name] = encode_value(wire, getattr(message, name))
+    for name, encode_field in _ENCODERS[cls]:
+        body[name] = encode_field(getattr(message, name))
     return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
 
 

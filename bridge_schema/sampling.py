@@ -32,5 +32,4 @@ def seeded_uniform(seeds: npt.ArrayLike, positions: npt.ArrayLike) -> npt.NDArra
     _splitmix64(bits)
     bits = _splitmix64(bits ^ np.asarray(positions, dtype=np.int64).astype(np.uint64))  # broadcasts
     bits >>= _S11
-    draws: npt.NDArray[np.float64] = bits * (1.0 / (1 << 53))
-    return draws
+    return bits.astype(np.float64) * (1.0 / (1 << 53))

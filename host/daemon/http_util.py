@@ -71,9 +71,31 @@ def _is_union_tag(part: object) -> bool:
     )
 
 
+def _json(data: Any) -> str:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
 def sse(data: Any, event: str | None = None) -> bytes:
     prefix = f"event: {event}\n" if event else ""
-    return f"{prefix}data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+    return f"{prefix}data: {_json(data)}\n\n".encode()
+
+
+class SseTemplate:
+    """The SSE frame of a JSON object in which one string alone varies (a stream's content
+    chunks): serialized once with `SLOT` in that string's place, then each frame escapes just its
+    string. A frame is byte for byte what `sse` makes of the object holding that string."""
+
+    SLOT = "\x00wafer-slot\x00"  # JSON escapes NUL, so no real text serializes to this
+
+    def __init__(self, data: Any) -> None:
+        slot = _json(self.SLOT)
+        head, found, tail = sse(data).decode().partition(slot)
+        if not found or slot in tail:
+            raise ValueError("the template must hold SLOT exactly once, as a string value")
+        self._head, self._tail = head, tail
+
+    def frame(self, text: str) -> bytes:
+        return f"{self._head}{_json(text)}{self._tail}".encode()
 
 
 SSE_DONE = b"data: [DONE]\n\n"

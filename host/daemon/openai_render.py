@@ -16,6 +16,7 @@ from host.services import Tokenizer
 from host.tokenizer import BytesTokenizer
 
 LogprobEntry = list[Any]  # [token, logprob, top_ids, top_logprobs] as the chat inferlet sends it
+Update = tuple[int, str, list[LogprobEntry], str | None]  # a choice's (index, text, entries, finish)
 # The markers around calls in "auto" mode: host.grammar.tool_call's defaults (not imported here:
 # that module loads xgrammar; a test checks they agree).
 CALL_BEGIN, CALL_END = "<tool_call>", "</tool_call>"
@@ -46,12 +47,12 @@ class Renderer:
 
     # ------------------------------------------------------------------ feeding
 
-    def apply(self, message: dict[str, Any]) -> list[tuple[int, str, list[LogprobEntry], str | None]]:
+    def apply(self, message: dict[str, Any]) -> list[Update]:
         """Fold one inferlet message in; returns the (index, text, entries, finish) updates."""
         if "prompt_tokens" in message:
             self.prompt_tokens = sum(int(n) for n in message["prompt_tokens"])
             return []
-        updates: dict[int, tuple[int, str, list[LogprobEntry], str | None]] = {}
+        updates: dict[int, Update] = {}
         for index, text, entry in message.get("deltas", ()):
             choice = self.choices[index]
             choice.text += text
@@ -146,28 +147,13 @@ class Renderer:
             for c in self.choices
         ]
 
-    def update_chunks(self, updates: list[tuple[int, str, list[LogprobEntry], str | None]]) -> list[dict[str, Any]]:
+    def update_chunks(self, updates: list[Update]) -> list[dict[str, Any]]:
         if self.kind == "chat" and self.job.tool_call:
             return self._tool_chunks(updates)
         chunks = []
         for index, text, entries, finish in updates:
             if text or entries:
-                if self.kind == "chat":
-                    choice: dict[str, Any] = {
-                        "index": index,
-                        "delta": {"content": text},
-                        "logprobs": self._chat_logprobs(entries) if self.job.logprobs else None,
-                        "finish_reason": None,
-                    }
-                else:
-                    offset = len(self.choices[index].text) - len(text)
-                    choice = {
-                        "index": index,
-                        "text": text,
-                        "logprobs": self._legacy_logprobs(entries, offset) if self.job.logprobs else None,
-                        "finish_reason": None,
-                    }
-                chunks.append(self._chunk([choice]))
+                chunks.append(self.content_chunk(index, text, entries))
             if finish is not None:
                 if self.kind == "chat":
                     done: dict[str, Any] = {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}
@@ -175,6 +161,31 @@ class Renderer:
                     done = {"index": index, "text": "", "logprobs": None, "finish_reason": finish}
                 chunks.append(self._chunk([done]))
         return chunks
+
+    @property
+    def is_plain_text(self) -> bool:
+        """Its content chunks carry text alone (no logprobs, no tool calls): a stream can build
+        them from one template per choice."""
+        return not self.job.logprobs and not (self.kind == "chat" and self.job.tool_call)
+
+    def content_chunk(self, index: int, text: str, entries: list[LogprobEntry]) -> dict[str, Any]:
+        """The chunk carrying a piece of choice `index`'s text (already applied) and its logprobs."""
+        if self.kind == "chat":
+            choice: dict[str, Any] = {
+                "index": index,
+                "delta": {"content": text},
+                "logprobs": self._chat_logprobs(entries) if self.job.logprobs else None,
+                "finish_reason": None,
+            }
+        else:
+            offset = len(self.choices[index].text) - len(text)
+            choice = {
+                "index": index,
+                "text": text,
+                "logprobs": self._legacy_logprobs(entries, offset) if self.job.logprobs else None,
+                "finish_reason": None,
+            }
+        return self._chunk([choice])
 
     # ------------------------------------------------------------------ tool calls
 
@@ -207,7 +218,7 @@ class Renderer:
             calls.append({"id": f"call_{self.id[-16:]}_{c.index}_{i}", "type": "function", "function": function})
         return (content, calls) if calls else None
 
-    def _tool_chunks(self, updates: list[tuple[int, str, list[LogprobEntry], str | None]]) -> list[dict[str, Any]]:
+    def _tool_chunks(self, updates: list[Update]) -> list[dict[str, Any]]:
         """A tool-call choice streams nothing until it finishes (its text is JSON being built);
         then one chunk carries the calls whole (or the text, if it made none)."""
         chunks = []

@@ -18,10 +18,19 @@ from pydantic import BaseModel
 
 from host.daemon.daemon import CHAT_INFERLET, ENGINE_WAIT_S, Daemon
 from host.daemon.errors import ApiError, DriverUnavailable, GenerationFailed
-from host.daemon.http_util import SSE_DONE, SSE_HEADERS, daemon_of, key_id_of, parse_body, request_id_of, sse
+from host.daemon.http_util import (
+    SSE_DONE,
+    SSE_HEADERS,
+    SseTemplate,
+    daemon_of,
+    key_id_of,
+    parse_body,
+    request_id_of,
+    sse,
+)
 from host.daemon.openai_models import ChatCompletionRequest, CompletionRequest
 from host.daemon.openai_prepare import GrammarSource, Job, check_model, prepare_chat, prepare_completion
-from host.daemon.openai_render import Renderer
+from host.daemon.openai_render import Renderer, Update
 from host.daemon.run_log import RunEvent
 from host.daemon.runs import RunRecord
 from host.engine import Engine
@@ -102,8 +111,9 @@ async def _serve(
         events = _stream(daemon, kind, record, renderer, started, early)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     try:
-        async for update in _updates(record, early):
-            renderer.apply(update)
+        async for updates in _update_batches(record, early):
+            for update in updates:
+                renderer.apply(update)
     except asyncio.CancelledError:
         record.cancel()
         raise
@@ -141,16 +151,15 @@ async def _start(
     raise AssertionError("unreachable: the second attempt returns")
 
 
-async def _updates(record: RunRecord, early: list[RunEvent]) -> AsyncIterator[dict[str, Any]]:
-    """The chat run's renderer updates, in order: its messages (README of inferlets/chat), and its
-    output stream, which is the text of choice 0 when the host runs the generation loop. Output
-    chunks that arrived together (the client fell behind) become one update, and so one chunk."""
-    for update in _batch_updates(early):
-        yield update
+async def _update_batches(record: RunRecord, early: list[RunEvent]) -> AsyncIterator[list[dict[str, Any]]]:
+    """The chat run's renderer updates, in order, in the batches the run log handed over: its
+    messages (README of inferlets/chat), and its output stream, which is the text of choice 0 when
+    the host runs the generation loop. Output chunks that arrived together (the client fell
+    behind) become one update, and so one chunk."""
+    yield _batch_updates(early)
     if early[-1].kind != "end":
         async for batch in record.log.follow_batches(early[-1].seq + 1):
-            for update in _batch_updates(batch):
-                yield update
+            yield _batch_updates(batch)
 
 
 def _batch_updates(batch: list[RunEvent]) -> list[dict[str, Any]]:
@@ -173,16 +182,20 @@ def _batch_updates(batch: list[RunEvent]) -> list[dict[str, Any]]:
 async def _stream(
     daemon: Daemon, kind: str, record: RunRecord, renderer: Renderer, started: float, early: list[RunEvent]
 ) -> AsyncIterator[bytes]:
+    """The SSE body: what one batch of the run log produced goes out as one body message (one
+    write, one wakeup of the client), not one per chunk."""
     is_first = True
+    templates: dict[int, SseTemplate] = {}
+    opening = [sse(chunk) for chunk in renderer.first_chunks()]
     try:
-        for chunk in renderer.first_chunks():
-            yield sse(chunk)
-        async for update in _updates(record, early):
-            for chunk in renderer.update_chunks(renderer.apply(update)):
-                if is_first:
-                    daemon.first_token.observe(time.monotonic() - started, kind)
-                    is_first = False
-                yield sse(chunk)
+        async for updates in _update_batches(record, early):
+            frames = [frame for update in updates for frame in _frames(renderer, renderer.apply(update), templates)]
+            if is_first and frames:
+                daemon.first_token.observe(time.monotonic() - started, kind)
+                is_first = False
+            if opening or frames:
+                yield b"".join([*opening, *frames])
+                opening = []
         error = _run_error(record)
         if error is not None:
             # The status line is long gone: the error travels as an SSE event in the envelope.
@@ -190,13 +203,28 @@ async def _stream(
             log.warning("stream failed: %s", error.message)
             yield sse(error.envelope())
             return
-        if renderer.job.include_usage:
-            yield sse(renderer.usage_chunk())
+        usage = [sse(renderer.usage_chunk())] if renderer.job.include_usage else []
         _count(daemon, kind, renderer)
-        yield SSE_DONE
+        yield b"".join([*usage, SSE_DONE])
     finally:
         if not record.done.is_set():
             record.cancel()  # the client went away: stop generating for nobody
+
+
+def _frames(renderer: Renderer, updates: list[Update], templates: dict[int, SseTemplate]) -> list[bytes]:
+    """The SSE frames of the chunks for `updates`. A plain text content chunk is framed from its
+    choice's template (the same bytes, without building and serializing the chunk each time)."""
+    frames = []
+    for update in updates:
+        index, text, _entries, finish = update
+        if text and finish is None and renderer.is_plain_text:
+            template = templates.get(index)
+            if template is None:
+                template = templates[index] = SseTemplate(renderer.content_chunk(index, SseTemplate.SLOT, []))
+            frames.append(template.frame(text))
+        else:
+            frames += [sse(chunk) for chunk in renderer.update_chunks([update])]
+    return frames
 
 
 def _run_error(record: RunRecord) -> ApiError | None:

@@ -1,15 +1,24 @@
 """How the daemon reads a chat run's events: output chunks that arrived together become one
 delta of choice 0, in order with the run's messages; a follower that falls behind gets what it
-missed in one batch; one loop wake-up covers a burst of events."""
+missed in one batch; one loop wake-up covers a burst of events; a stream sends what one batch
+produced as one body message."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import threading
+from types import SimpleNamespace
+from typing import Any
 
-from host.daemon.openai_routes import _batch_updates
+from host.daemon.http_util import SSE_DONE, sse
+from host.daemon.metrics import Counter, Histogram
+from host.daemon.openai_prepare import Job
+from host.daemon.openai_render import Renderer
+from host.daemon.openai_routes import _batch_updates, _stream
 from host.daemon.run_log import RunEvent, RunLog
+from host.sandbox import RunOutcome, RunStatus
+from host.tokenizer import BytesTokenizer
 
 
 def _events(*specs: tuple[str, object]) -> list[RunEvent]:
@@ -65,3 +74,55 @@ def test_a_follower_gets_a_burst_in_one_batch_with_one_wake_up() -> None:
     batches, wakeups = asyncio.run(scenario())
     assert batches == [["output", "output", "output"], ["end"]]
     assert wakeups == 2  # one for the burst, one for the end
+
+
+def _renderer(kind: str) -> Renderer:
+    job = Job({}, num_prompts=1, n=1, prompt_tokens=3, logprobs=False, top_logprobs=0, stream=True, include_usage=True)
+    renderer = Renderer(kind, job, "dummy", BytesTokenizer(256), "req_1")
+    renderer.created = 1700000000
+    return renderer
+
+
+def _stream_bodies(kind: str) -> list[bytes]:
+    """The body messages of a finished run's stream: the events up to its first output were read
+    before the stream began (as `_start` does); the rest arrive as one batch."""
+
+    async def scenario() -> list[bytes]:
+        log = RunLog("run 1", asyncio.get_running_loop())
+        log.send(json.dumps({"prompt_tokens": [3]}))
+        log.emit("Hel")
+        for piece in ("lo", ' "wor', "ld\n"):
+            log.emit(piece)
+        log.send(json.dumps({"finished": [[0, "length", 5]]}))
+        log.end({"state": "succeeded"})
+        events = log.snapshot()
+        record: Any = SimpleNamespace(
+            log=log, done=threading.Event(), outcome=RunOutcome(1, RunStatus.OK, ""), run_id=1, driver_lost=""
+        )
+        record.done.set()
+        daemon: Any = SimpleNamespace(
+            first_token=Histogram("ttft", "", ("endpoint",)),
+            requests=Counter("requests", "", ("endpoint", "outcome")),
+            tokens=Counter("tokens", "", ("endpoint", "kind")),
+        )
+        return [body async for body in _stream(daemon, kind, record, _renderer(kind), 0.0, events[:2])]
+
+    return asyncio.run(scenario())
+
+
+def test_a_stream_sends_one_body_message_per_batch_with_every_chunk_in_order() -> None:
+    for kind in ("chat", "completion"):
+        bodies = _stream_bodies(kind)
+        # The opening chunk and the first output; the rest of the output and the finish; the end.
+        assert len(bodies) == 3
+        renderer = _renderer(kind)
+        expected = [sse(chunk) for chunk in renderer.first_chunks()]
+        for update in (
+            {"prompt_tokens": [3]},
+            {"deltas": [[0, "Hel", None]]},
+            {"deltas": [[0, 'lo "world\n', None]]},
+            {"finished": [[0, "length", 5]]},
+        ):
+            expected += [sse(chunk) for chunk in renderer.update_chunks(renderer.apply(update))]
+        expected += [sse(renderer.usage_chunk()), SSE_DONE]
+        assert b"".join(bodies) == b"".join(expected)

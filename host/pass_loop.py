@@ -18,6 +18,7 @@ import numpy as np
 from bridge_schema.batch import build_forward, split_result
 from bridge_schema.errors import BridgeError, RemoteError
 from bridge_schema.messages import Ack, Copy, ForwardResult
+from bridge_schema.transport import run as run_loop
 from host.driver_link import DriverLink, open_link
 from host.errors import DriverFailed, EngineClosed, HostError, InvalidRequest
 from host.pages import copy_groups
@@ -40,7 +41,7 @@ class PassLoop:
     def thread_main(self) -> None:
         e = self.engine
         try:
-            anyio.run(self.main, backend="asyncio")
+            run_loop(self.main)  # asyncio, on uvloop when installed
         except BaseException as caught:  # reported to start() or to every waiter
             exc = _first_host_error(caught)
             if not e._ready.is_set():

@@ -77,10 +77,10 @@ def _request_counts(f: Forward, r: int) -> npt.NDArray[np.int64]:
     if all(len(a) == r + 1 for a in arrays):
         wide = np.array(arrays, dtype=np.int64)
         counts: npt.NDArray[np.int64] = wide[:, 1:] - wide[:, :-1]
-        ends = wide[:, [0, -1]].tolist()
-        mins = counts.min(axis=1).tolist()
-        if all(e == [0, n] and m >= lo for e, n, m, lo in zip(ends, data_lens, mins, min_counts, strict=True)):
-            return counts
+        if wide[:, 0].tolist() == [0, 0, 0, 0] and wide[:, -1].tolist() == data_lens:
+            mins = counts.min(axis=1).tolist()
+            if mins[0] >= 1 and mins[1] >= 1 and mins[2] >= 0 and mins[3] >= 0:  # `min_counts`
+                return counts
     for name, array, n, lo in zip(_REQUEST_INDPTRS, arrays, data_lens, min_counts, strict=True):
         _counts(name, array, r, n, lo)
     raise AssertionError("request indptrs failed together but not one by one")

@@ -11,7 +11,7 @@ import enum
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -111,6 +111,7 @@ class RunRegistry:
         self._supervisor = supervisor
         self._lock = threading.Lock()
         self._runs: OrderedDict[int, RunRecord] = OrderedDict()
+        self._finished: deque[int] = deque()  # ids of the kept finished runs, in the order they ended
         self._num_running = 0
         self._num_ended: dict[RunState, int] = dict.fromkeys(RunState, 0)
         self._is_draining = False
@@ -184,6 +185,7 @@ class RunRegistry:
         with self._lock:
             self._num_running -= 1
             self._num_ended[record.state] += 1
+            self._finished.append(record.run_id)
             self._evict_finished()
         record.log.end(record.describe())
         record.done.set()
@@ -196,9 +198,10 @@ class RunRegistry:
         )
 
     def _evict_finished(self) -> None:
-        finished = [r for r in self._runs.values() if r.outcome is not None]
-        for record in finished[: max(0, len(finished) - MAX_KEPT_FINISHED)]:
-            del self._runs[record.run_id]
+        """Forget the runs that ended first, past the last MAX_KEPT_FINISHED (without a scan of
+        every run at every end)."""
+        while len(self._finished) > MAX_KEPT_FINISHED:
+            del self._runs[self._finished.popleft()]
 
     # ------------------------------------------------------------------ queries and control
 

@@ -1,5 +1,6 @@
-"""The run registry's start: one worker-thread hop that prepares, admits and starts a run, with
-nothing blocking on the event loop (which serves every open stream), on a fake sandbox."""
+"""The run registry, on a fake sandbox: its start is one worker-thread hop that prepares, admits
+and starts a run, with nothing blocking on the event loop (which serves every open stream); it
+forgets the runs that ended first."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from host.daemon import runs as runs_module
 from host.daemon.config import load_config
 from host.daemon.errors import InvalidRequest, TooManyRuns
 from host.daemon.runs import RunRecord, RunRegistry
@@ -104,3 +106,23 @@ def test_a_refused_preparation_admits_nothing_and_comes_before_the_run_limit() -
     record.cancel()
     assert record.done.wait(5)
     assert runs.num_running == 0
+
+
+def test_the_runs_that_ended_first_are_forgotten_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runs_module, "MAX_KEPT_FINISHED", 2)
+    runs, _, _ = registry(8)
+
+    def accept(_engine: Any) -> tuple[list[str], None]:
+        return [], None
+
+    async def scenario() -> list[RunRecord]:
+        return [(await runs.start(object(), "chat", "chat", 1.0, accept))[0] for _ in range(5)]
+
+    records = asyncio.run(scenario())
+    for i in (3, 0, 4, 1):  # the order they end in
+        records[i].cancel()
+        assert records[i].done.wait(5)
+    # Kept: the two that ended last, and the one still running.
+    assert sorted(r.run_id for r in runs.list()) == sorted(records[i].run_id for i in (4, 1, 2))
+    records[2].cancel()
+    assert records[2].done.wait(5)

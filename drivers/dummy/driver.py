@@ -71,7 +71,7 @@ class DummyDriver:
         # With a pass latency: when the simulated device is free, and when the last reply is due.
         self._device_free_at = 0.0
         self.reply_at: float | None = None
-        self.stats: dict[str, int | float | str] = {
+        self.stats: dict[str, int] = {
             "forwards": 0,
             "requests": 0,
             "tokens": 0,
@@ -135,7 +135,10 @@ class DummyDriver:
         positions = f.positions[rows]
         draws = self._rng.random(o)
         seeded = f.seed >= 0
-        if np.count_nonzero(seeded):
+        n_seeded = np.count_nonzero(seeded)
+        if n_seeded == o:  # every row seeded: no masking
+            draws = seeded_uniform(f.seed, positions)
+        elif n_seeded:
             draws[seeded] = seeded_uniform(f.seed[seeded], positions[seeded])
         greedy = f.sampler == _GREEDY
         if np.count_nonzero(greedy):
@@ -144,7 +147,7 @@ class DummyDriver:
         tokens = np.minimum((draws * vocab).astype(np.int64), vocab - 1).astype(np.int32)
         logprobs = np.zeros(o, dtype=np.float32)
         # Only rows with a logit mask or a probe need work beyond the vectorised draw above.
-        if not np.count_nonzero((f.logit_mask_index >= 0) | (f.probe != 0)):
+        if not o or (int(f.logit_mask_index.max()) < 0 and not np.count_nonzero(f.probe)):
             self._count(f, o)
             no_probes = np.zeros(o + 1, dtype=np.uint32)
             return ForwardResult(
@@ -203,27 +206,27 @@ class DummyDriver:
 
     def _count(self, f: Forward, outputs: int) -> None:
         s = self.stats
-        s["forwards"] = int(s["forwards"]) + 1
-        s["requests"] = int(s["requests"]) + f.num_requests
-        s["tokens"] = int(s["tokens"]) + len(f.tokens)
-        s["outputs"] = int(s["outputs"]) + outputs
+        s["forwards"] += 1
+        s["requests"] += len(f.context_ids)
+        s["tokens"] += len(f.tokens)
+        s["outputs"] += outputs
 
     def copy(self, c: Copy) -> None:
-        self.stats["copies"] = int(self.stats["copies"]) + 1
-        self.stats["pages_copied"] = int(self.stats["pages_copied"]) + len(c.src_pages)
+        self.stats["copies"] += 1
+        self.stats["pages_copied"] += len(c.src_pages)
 
     def adapter(self, a: Adapter) -> None:
         if a.op == "load":
             self._adapters.add(a.adapter_id)
-            self.stats["adapter_loads"] = int(self.stats["adapter_loads"]) + 1
+            self.stats["adapter_loads"] += 1
         else:
             if a.adapter_id not in self._adapters:
                 raise RequestRejected(f"adapter {a.adapter_id} is not loaded", "adapter_id")
             self._adapters.discard(a.adapter_id)
-            self.stats["adapter_unloads"] = int(self.stats["adapter_unloads"]) + 1
+            self.stats["adapter_unloads"] += 1
 
     def health(self) -> dict[str, int | float | str]:
-        return dict(self.stats)
+        return {**self.stats}
 
 
 def _indptr(counts: npt.NDArray[np.int64]) -> npt.NDArray[np.uint32]:

@@ -127,3 +127,11 @@ def test_handshake_resolves_and_validates_configuration() -> None:
     assert d.handshake(Hello(prefix_match_unit=16, speculation_depth=1)).page_size == 16
     with pytest.raises(ConfigRejected, match="prefix_match_unit"):
         d.handshake(Hello(page_size=16, prefix_match_unit=8, speculation_depth=1))
+
+
+def test_a_pass_that_samples_nothing_gets_an_empty_reply() -> None:
+    """A prefill chunk that is not its fill's last has no output rows."""
+    f = build_forward(1, [RequestSpec(1, [1, 2, 3], [0, 1, 2], [0], 3, [])])
+    result = _driver().forward(f)
+    assert len(result.tokens) == len(result.logprobs) == 0
+    assert result.topk_indptr.tolist() == result.dist_indptr.tolist() == [0]

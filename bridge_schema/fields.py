@@ -90,10 +90,14 @@ def field_decoder(wire: Wire, name: str) -> Callable[[Any], Any]:
     if kind == "array":
         dtype = np.dtype(wire.dtype)
         itemsize, is_float = dtype.itemsize, dtype.kind == "f" and not wire.range_checked
+        empty = np.zeros(0, dtype=dtype)
+        empty.flags.writeable = False  # shared by every message where this field is empty
 
         def array(raw: Any) -> Any:
             if type(raw) is not bytes:
                 raise FieldError(f"expected binary array of {wire.dtype}, got {type(raw).__name__}", name)
+            if not raw:
+                return empty
             if len(raw) % itemsize:
                 raise FieldError(f"{len(raw)} bytes is not a whole number of {wire.dtype} items", name)
             arr = np.frombuffer(raw, dtype=dtype)

@@ -5,9 +5,10 @@ against the driver's own handshake limits). They raise `drivers.errors.DriverErr
 for requests they refuse; any other exception becomes an INTERNAL error reply.
 
 Optionally, a driver that models a device queue sets an attribute `reply_at` (a
-`time.perf_counter()` time, or None) in `forward`: the serve loop then sends that reply no
-earlier, from a writer task, and meanwhile goes on reading and handling the frames behind it
-(the dummy driver's simulated pass latency works this way).
+`time.perf_counter()` time, or None) in `forward`: the serve loop then sends that reply at that
+time, never earlier (on Linux within microseconds: `drivers.timing.DueTimer`), from a writer
+task, and meanwhile goes on reading and handling the frames behind it (the dummy driver's
+simulated pass latency works this way).
 """
 
 from __future__ import annotations

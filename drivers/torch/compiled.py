@@ -1,10 +1,12 @@
 """The optional compiled path (`--compile`, CPU): each decoder layer, attention over the paged
 cache included, runs as one `torch.compile`d (Inductor: C++) function, shared by all layers (they
-take their block as an argument). Passes with LoRA adapters stay eager; the driver refuses it on
-CUDA, whose attention is a Triton kernel.
+take their block as an argument). A pass of one token (decode at batch 1) runs the whole stack,
+output head included, as one graph instead: there the ~100 us that each compiled call costs in
+dynamo and Inductor's Python wrapper were a third of the step. Passes with LoRA adapters stay
+eager; the driver refuses it on CUDA, whose attention is a Triton kernel.
 
-Graphs, per function: one token (decode at batch 1); one token per request (decode batches,
-where attention runs as fused reductions); everything else. `PagedAttention(for_compiled=True)`
+Graphs: the stack's one; per layer function: one token per request (decode batches, where
+attention runs as fused reductions) and everything else. `PagedAttention(for_compiled=True)`
 pads the layouts so that no other size pattern occurs (dynamo specializes sizes 0 and 1), far
 under dynamo's recompile limit (8); the handshake compiles all three."""
 
@@ -14,6 +16,7 @@ import types
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from drivers.torch.config import ModelConfig
 from drivers.torch.model import Block, Transformer, attention_inputs, attention_output, output_logits
@@ -25,6 +28,22 @@ def _layer(
 ) -> torch.Tensor:
     q, k, v = attention_inputs(cfg, block, x, cos, sin, None)
     return attention_output(cfg, block, x, attend_keys(q, k, v, keys, cfg.scale, fused_decode=True), None)
+
+
+def _stack(
+    cfg: ModelConfig,
+    blocks: list[Block],
+    x: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    keys: list[LayerKeys],
+    norm: nn.Module,
+    head: nn.Module | torch.Tensor,
+) -> torch.Tensor:
+    cos, sin, cos_local, sin_local = rope
+    for i, block in enumerate(blocks):
+        windowed = cfg.window(i) > 0
+        x = _layer(cfg, block, x, cos_local if windowed else cos, sin_local if windowed else sin, keys[i])
+    return output_logits(cfg, norm, head, x)
 
 
 def _own_copy(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -47,6 +66,7 @@ class CompiledModel:
         self.model = model
         self._layer: Callable[..., torch.Tensor] = torch.compile(_own_copy(_layer), fullgraph=True)
         self._logits: Callable[..., torch.Tensor] = torch.compile(_own_copy(output_logits), fullgraph=True)
+        self._stack: Callable[..., torch.Tensor] = torch.compile(_own_copy(_stack), fullgraph=True)
 
     def __call__(
         self, tokens: torch.Tensor, positions: torch.Tensor, attention: PagedAttention, rows: torch.Tensor
@@ -55,6 +75,13 @@ class CompiledModel:
         assert attention.for_compiled, "a compiled pass needs padded attention layouts"
         model, cfg = self.model, self.model.cfg
         x, rope_full, rope_local = model.embed(tokens, positions)
+        if tokens.shape[0] == 1:  # the logits of its one row; `rows` selects it or nothing
+            keys = [attention.layer_keys(i) for i in range(cfg.num_layers)]
+            _mark_dynamic(*{id(t): t for k in keys for t in k[2:]}.values())  # families share theirs
+            logits = self._stack(
+                cfg, model.model.blocks(), x, (*rope_full, *rope_local), keys, model.model.norm, model.head()
+            )
+            return logits[rows]
         for i, block in enumerate(model.model.blocks()):
             cos, sin = rope_local if cfg.window(i) > 0 else rope_full
             keys = attention.layer_keys(i)

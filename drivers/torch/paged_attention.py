@@ -119,10 +119,13 @@ class PagedAttention:
         (b, tq), num_keys = q_index.shape, key_index.shape[1]
         pad_k = max(2 - num_keys, 0) if self.for_compiled else 0
         pad_b = max(2 - b, 0) if self.for_compiled and len(plan.tokens) > 1 else 0
-        if pad_b or pad_k:
+        # `q_index` stays the plan's own tensor unless requests are padded: the compiled stack
+        # takes every family's, and dynamo guards on which of its inputs alias each other.
+        if pad_b:
             q_index = F.pad(q_index, (0, 0, 0, pad_b))
-            key_index = F.pad(key_index, (0, pad_k, 0, pad_b))
             empty = F.pad(empty, (0, 0, 0, pad_b), value=True)
+        if pad_b or pad_k:
+            key_index = F.pad(key_index, (0, pad_k, 0, pad_b))
             mask = F.pad(mask, (0, pad_k, 0, 0, 0, pad_b), value=False) | empty[..., None]
         width = q_index.shape[1]
         valid = (torch.arange(b, device=q_index.device)[:, None] * width + torch.arange(tq, device=q_index.device))[

@@ -1,7 +1,8 @@
 """The compiled path (`--compile`) equals the eager one on a tiny random Gemma-style model with
 sliding windows, attention sinks and user masks: chunked prefill, a mixed prefill batch, decode at
-batch 3 and at batch 1. After the handshake's warm-up no pass compiles again; passes with LoRA
-run eager. One compiled model per module (compiling costs seconds)."""
+batch 3 and at batch 1 (the whole stack as one graph). After the handshake's warm-up no pass
+compiles again; passes with LoRA run eager. One compiled model per module (compiling costs
+seconds)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,20 @@ def test_mixed_batch_and_decode_equal_eager(gemma: Checkpoint, compiled: TorchDr
     want = _decode(make_driver(gemma, page_size=PS, num_pages=len(PAGES)), prompts, steps=3)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=0)
+
+
+def test_one_token_pass_runs_the_stack_as_one_graph(compiled: TorchDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Per-layer compiled calls cost ~100 us each in dynamo and Inductor's wrapper: batch-1 decode
+    # must not pay them 30 times a step.
+    assert compiled.compiled is not None
+
+    def fail(*args: object) -> torch.Tensor:
+        raise AssertionError("a one-token pass called the per-layer graph")
+
+    monkeypatch.setattr(compiled.compiled, "_layer", fail)
+    monkeypatch.setattr(compiled.compiled, "_logits", fail)
+    logits = compiled.logits(forward([request([5], 0, PAGES[30:], PS)]))
+    assert logits.shape == (1, 96)
 
 
 def test_lora_pass_runs_eager_and_equals_eager(tmp_path: Path, gemma: Checkpoint, compiled: TorchDriver) -> None:

@@ -16,6 +16,7 @@ import functools
 import itertools
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -51,14 +52,42 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
-def summarize(starts: list[float], stamps: list[list[float]], tokens: int, wall_s: float) -> dict[str, float]:
+class CpuClock:
+    """CPU seconds (user and system) used so far by this process and by the daemon's process
+    (Linux's /proc; 0 without a daemon). Neither counts the driver's process."""
+
+    def __init__(self, daemon_pid: int | None = None) -> None:
+        self._daemon_pid = daemon_pid
+
+    def read(self) -> tuple[float, float]:
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        daemon = 0.0
+        if self._daemon_pid is not None:
+            fields = Path(f"/proc/{self._daemon_pid}/stat").read_text().rpartition(")")[2].split()
+            daemon = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return own.ru_utime + own.ru_stime, daemon
+
+    def since(self, start: tuple[float, float]) -> dict[str, float]:
+        """CPU seconds since `start` (a `read`) of the host (in-process: this process; over HTTP:
+        the daemon) and of the client (over HTTP: this process)."""
+        own, daemon = self.read()
+        if self._daemon_pid is None:
+            return {"host_cpu_s": own - start[0], "client_cpu_s": 0.0}
+        return {"host_cpu_s": daemon - start[1], "client_cpu_s": own - start[0]}
+
+
+def summarize(
+    starts: list[float], stamps: list[list[float]], tokens: int, wall_s: float, cpu: dict[str, float]
+) -> dict[str, float]:
     """`tokens`: generated tokens, counted by the generator (a step whose bytes are not yet a
-    whole character has no text, so counting text pieces would undercount)."""
+    whole character has no text, so counting text pieces would undercount); `cpu`: from
+    `CpuClock.since`."""
     ttft = [s[0] - t0 for t0, s in zip(starts, stamps, strict=True) if s]
     itl = [b - a for s in stamps for a, b in itertools.pairwise(s)]
     return {
         "tokens": tokens,
         "tokens_per_s": tokens / wall_s,
+        **cpu,
         "ttft_p50_ms": pct(ttft, 0.5) * 1e3,
         "ttft_p99_ms": pct(ttft, 0.99) * 1e3,
         "itl_p50_ms": pct(itl, 0.5) * 1e3,
@@ -112,6 +141,8 @@ def in_process(driver: str, driver_args: list[str], streams: int, tokens: int, m
         component = sandbox.load(wasm)
         ios = [TimedIO() for _ in range(streams)]
         starts, handles = [], []
+        clock = CpuClock()
+        cpu0 = clock.read()
         t0 = time.perf_counter()
         for i, io in enumerate(ios):
             starts.append(time.perf_counter())
@@ -119,7 +150,8 @@ def in_process(driver: str, driver_args: list[str], streams: int, tokens: int, m
         for h in handles:
             assert h.wait().is_ok
         wall = time.perf_counter() - t0
-        return summarize(starts, [io.stamps for io in ios], sum(io.generated for io in ios), wall)
+        cpu = clock.since(cpu0)
+        return summarize(starts, [io.stamps for io in ios], sum(io.generated for io in ios), wall, cpu)
 
 
 def over_http(
@@ -137,7 +169,7 @@ def over_http(
         daemon = subprocess.Popen([*command, "--data-dir", data_dir], stdout=subprocess.DEVNULL)
         try:
             drive = _drive if client == "openai" else _drive_lean
-            return drive(f"http://127.0.0.1:{port}/v1", streams, tokens)
+            return drive(f"http://127.0.0.1:{port}/v1", streams, tokens, CpuClock(daemon.pid))
         finally:
             daemon.terminate()
             daemon.wait(timeout=60)
@@ -158,7 +190,7 @@ def _warm(client: openai.OpenAI) -> str:
     return served
 
 
-def _drive(base_url: str, streams: int, tokens: int) -> dict[str, float]:
+def _drive(base_url: str, streams: int, tokens: int, clock: CpuClock) -> dict[str, float]:
     client = openai.OpenAI(api_key="none", base_url=base_url, max_retries=0, timeout=600.0)
     served = _warm(client)
 
@@ -184,32 +216,36 @@ def _drive(base_url: str, streams: int, tokens: int) -> dict[str, float]:
                 stamps.append(time.perf_counter())
         return start, stamps, generated
 
+    cpu0 = clock.read()
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=streams) as pool:
         results = list(pool.map(one, range(streams)))
     wall = time.perf_counter() - t0
+    cpu = clock.since(cpu0)
     client.close()
-    return summarize([r[0] for r in results], [r[1] for r in results], sum(r[2] for r in results), wall)
+    return summarize([r[0] for r in results], [r[1] for r in results], sum(r[2] for r in results), wall, cpu)
 
 
-def _drive_lean(base_url: str, streams: int, tokens: int) -> dict[str, float]:
+def _drive_lean(base_url: str, streams: int, tokens: int, clock: CpuClock) -> dict[str, float]:
     """The same requests from one asyncio loop over raw HTTP/1.1: no pydantic, no threads, so the
     client takes little of the CPU the daemon shares with it here (a deployment's clients run on
     other machines). Each stream is checked: every event parses, the last chunk says "length",
     and `usage` says it generated `tokens` tokens."""
     with openai.OpenAI(api_key="none", base_url=base_url, max_retries=0, timeout=600.0) as client:
         served = _warm(client)
-    return asyncio.run(_lean_streams(base_url, served, streams, tokens))
+    return asyncio.run(_lean_streams(base_url, served, streams, tokens, clock))
 
 
-async def _lean_streams(base_url: str, served: str, streams: int, tokens: int) -> dict[str, float]:
+async def _lean_streams(base_url: str, served: str, streams: int, tokens: int, clock: CpuClock) -> dict[str, float]:
     address, _, path = base_url.removeprefix("http://").partition("/")
     host, _, port = address.partition(":")
+    cpu0 = clock.read()
     t0 = time.perf_counter()
     jobs = (_lean_stream(host, int(port), f"/{path}/chat/completions", served, i, tokens) for i in range(streams))
     results = await asyncio.gather(*jobs)
     wall = time.perf_counter() - t0
-    return summarize([r[0] for r in results], [r[1] for r in results], sum(r[2] for r in results), wall)
+    cpu = clock.since(cpu0)
+    return summarize([r[0] for r in results], [r[1] for r in results], sum(r[2] for r in results), wall, cpu)
 
 
 async def _lean_stream(
@@ -292,6 +328,7 @@ def main() -> None:
             for client in CLIENTS
         },
     }
+    load_at_start = os.getloadavg()
     runs: list[dict[str, dict[str, float]]] = []
     for rep in range(args.repeat):  # alternated and rotated, so every side sees the same neighbours
         names = list(sides)
@@ -306,13 +343,17 @@ def main() -> None:
     print(
         f"{args.streams} concurrent streams x {args.tokens} tokens, {model}"
         + ("" if args.smollm2 else f" (pass latency {args.latency_ms} ms)")
-        + f"; medians of {args.repeat} alternated runs; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+        + f"; medians of {args.repeat} alternated runs; load average (1, 5, 15 min) "
+        + f"{' '.join(f'{x:.2f}' for x in load_at_start)} at the start, {' '.join(f'{x:.2f}' for x in load)} at the end"
     )
-    print(f"{'':<20} {'tok/s':>8} {'ttft p50':>9} {'ttft p99':>9} {'itl p50':>8} {'itl p99':>8}")
+    print(
+        f"{'':<20} {'tok/s':>8} {'ttft p50':>9} {'ttft p99':>9} {'itl p50':>8} {'itl p99':>8} "
+        f"{'host cpu s':>10} {'client cpu s':>12}"
+    )
     for name, r in median.items():
         print(
             f"{name:<20} {r['tokens_per_s']:>8.0f} {r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>9.1f} "
-            f"{r['itl_p50_ms']:>8.1f} {r['itl_p99_ms']:>8.1f}"
+            f"{r['itl_p50_ms']:>8.1f} {r['itl_p99_ms']:>8.1f} {r['host_cpu_s']:>10.2f} {r['client_cpu_s']:>12.2f}"
         )
     overheads: dict[str, dict[str, Any]] = {}
     for client in CLIENTS:
@@ -329,8 +370,8 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {"streams": args.streams, "tokens": args.tokens, "model": model,
-                              "load_average": load, "medians": median, "overhead": overheads,
-                              "runs": runs}  # fmt: skip
+                              "load_average": {"start": load_at_start, "end": load}, "medians": median,
+                              "overhead": overheads, "runs": runs}  # fmt: skip
     out.write_text(json.dumps(record, indent=1))
     print(f"wrote {out}")
 

@@ -4,9 +4,10 @@ with the memory-bandwidth bound (weight bytes read per decode step / measured re
 
     python bench/decode.py [--threads N] [--dtype float32,float32+w8a8+compile] [--batches 1,8,32] [--json PATH]
 
-Each --dtype entry is DTYPE[+WEIGHTS][+compile][+torchmm]: the activation dtype, the weight kind
-(int8, w8a8; dense when absent), whether the driver runs its compiled path, and (torchmm) whether
-w8a8 keeps the torch matmul path instead of the C++ kernel. transformers runs once per
+Each --dtype entry is DTYPE[+WEIGHTS][+compile][+torchmm][+unpacked]: the activation dtype, the
+weight kind (int8, w8a8; dense when absent), whether the driver runs its compiled path, (torchmm)
+whether w8a8 keeps the torch matmul path instead of the C++ kernel, and (unpacked) whether int8
+weights stay one tensor each instead of one buffer on huge pages. transformers runs once per
 activation dtype and batch, on the same prompts as every entry. Prints a table and writes JSON.
 Not part of the test run.
 """
@@ -158,7 +159,7 @@ def main() -> None:
     parser.add_argument(
         "--dtype",
         default="float32,float32+w8a8+compile,bfloat16+int8",
-        help="DTYPE[+int8|+w8a8][+compile][+torchmm], comma-separated",
+        help="DTYPE[+int8|+w8a8][+compile][+torchmm][+unpacked], comma-separated",
     )
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -183,11 +184,17 @@ def main() -> None:
     rows = []
     for spec in args.dtype.split(","):
         act, *flags = spec.split("+")
-        compiled, torchmm = "compile" in flags, "torchmm" in flags
-        weights = next((f for f in flags if f not in ("compile", "torchmm")), "dense")
+        compiled, torchmm, unpacked = "compile" in flags, "torchmm" in flags, "unpacked" in flags
+        weights = next((f for f in flags if f not in ("compile", "torchmm", "unpacked")), "dense")
         pages = max(batches) * ((args.prompt_len + args.new_tokens + 15) // 16)
         options = DriverOptions(
-            device=args.device, dtype=act, num_pages=pages, weights=weights, compile=compiled, w8a8_kernel=not torchmm
+            device=args.device,
+            dtype=act,
+            num_pages=pages,
+            weights=weights,
+            compile=compiled,
+            w8a8_kernel=not torchmm,
+            pack_weights=not unpacked,
         )
         start = time.perf_counter()
         drv = TorchDriver(ckpt, options)

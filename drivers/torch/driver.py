@@ -49,6 +49,9 @@ class DriverOptions:
     # w8a8 on the CPU: the C++ kernel of `w8a8_kernel.py` where it builds; False keeps the torch
     # path (same results; for side-by-side measurements).
     w8a8_kernel: bool = True
+    # int8 weights on the CPU: one buffer in step order on huge pages (`weight_arena.py`); False
+    # keeps one tensor per weight (same results; for side-by-side measurements).
+    pack_weights: bool = True
     # Compile each layer with torch.compile (CPU only; see `compiled.py`); compiles at the handshake.
     compile: bool = False
 
@@ -89,7 +92,7 @@ class TorchDriver:
         self.dtype = DTYPES[options.dtype]
         self.model = fuse_projections(build_model(ckpt, self.device, self.dtype))
         if options.weights != "dense":
-            self.model = quantize_int8(self.model, options.weights, options.w8a8_kernel)
+            self.model = quantize_int8(self.model, options.weights, options.w8a8_kernel, options.pack_weights)
         elif self.device.type == "cpu" and self.dtype == torch.float32:
             self.model = transpose_linears(self.model)
         self.use_triton = self.device.type == "cuda"

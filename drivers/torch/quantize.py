@@ -13,13 +13,16 @@ bytes, so 4x fewer bytes than fp32 is the main lever on the CPU. Two kinds:
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from drivers.errors import ConfigRejected
-from drivers.torch import w8a8_kernel
+from drivers.torch import w8a8_kernel, weight_arena
 from drivers.torch.model import Transformer
 
+log = logging.getLogger(__name__)
 WEIGHT_KINDS = ("dense", "int8", "w8a8")
 
 
@@ -83,9 +86,15 @@ def w8a8_reference(rows: torch.Tensor, weight_int8: torch.Tensor, scale: torch.T
     return torch._int_mm(xq, weight_int8.T) * (sx * scale)
 
 
-def quantize_int8(model: Transformer, kind: str = "int8", use_kernel: bool = True) -> Transformer:
+# The projections of a block in the order a step runs them (fused or not).
+_STEP_ORDER = ("qkv", "q_proj", "k_proj", "v_proj", "o_proj", "gate_up", "gate_proj", "up_proj", "down_proj")
+
+
+def quantize_int8(model: Transformer, kind: str = "int8", use_kernel: bool = True, pack: bool = True) -> Transformer:
     """Replace the model's linear layers (and output head) by int8 ones of `kind`, in place.
-    `use_kernel`: w8a8 on the CPU runs the C++ kernel where it builds (tests turn it off)."""
+    `use_kernel`: w8a8 on the CPU runs the C++ kernel where it builds (tests turn it off).
+    `pack`: on the CPU, every int8 weight becomes a view into one buffer, in step order, on huge
+    pages where the OS allows it (`weight_arena.py`)."""
     dtype = model.model.embed_tokens.weight.dtype
     if kind == "int8" and dtype not in (torch.bfloat16, torch.float16):
         raise ConfigRejected("int8 weights need --dtype bfloat16 or float16 activations", "weights")
@@ -95,15 +104,25 @@ def quantize_int8(model: Transformer, kind: str = "int8", use_kernel: bool = Tru
     on_cpu = model.model.embed_tokens.weight.device.type == "cpu"
     kernel = kind == "w8a8" and use_kernel and on_cpu and w8a8_kernel.load()
 
-    def convert(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    def convert(weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear | DynamicInt8Linear:
         return Int8Linear(weight, bias, dtype) if kind == "int8" else DynamicInt8Linear(weight, bias, kernel)
 
+    converted = []
     for block in model.model.blocks():
         for parent in (block.self_attn, block.mlp):
-            for name, child in list(parent.named_children()):
+            for name in _STEP_ORDER:
+                child = getattr(parent, name, None)
                 if isinstance(child, nn.Linear):
-                    setattr(parent, name, convert(child.weight, child.bias))
-    model.output_head = convert(model.output_weight(), None)
+                    converted.append(convert(child.weight, child.bias))
+                    setattr(parent, name, converted[-1])
+    head = convert(model.output_weight(), None)
+    model.output_head = head
+    converted.append(head)
     if not model.cfg.tie_embeddings:
         del model.lm_head
+    if pack and on_cpu:
+        views, huge = weight_arena.pack([lin.weight_int8 for lin in converted])
+        for lin, view in zip(converted, views, strict=True):
+            lin.weight_int8 = view
+        log.info("int8 weights packed in one buffer (%s pages)", "huge" if huge else "normal")
     return model

@@ -15,6 +15,9 @@ import numpy as np
 
 from bridge_schema.errors import FieldError, RangeError
 
+# Arrays up to this size are encoded as a copy (`tobytes`), larger ones as a view.
+_COPY_BELOW_BYTES = 4096
+
 _INT_RANGES = {
     "u8": (0, 2**8 - 1),
     "u32": (0, 2**32 - 1),
@@ -62,10 +65,14 @@ def field_encoder(wire: Wire) -> Callable[[Any], Any]:
     if kind == "array":
         dtype = np.dtype(wire.dtype)
 
-        def array(value: Any) -> bytes:
-            # The little-endian bytes, C order (`tobytes` copies, which for the small arrays of
-            # a decode pass costs less than a memoryview and a cast).
-            return np.asarray(value, dtype=dtype).tobytes()
+        def array(value: Any) -> bytes | memoryview:
+            # The little-endian bytes, C order. Small arrays (a decode pass's) are copied out
+            # with `tobytes`, cheaper than a memoryview and its cast; large ones (a prefill's
+            # tokens) go to msgpack as a view, which copies them once.
+            arr = np.asarray(value, dtype=dtype)
+            if arr.nbytes <= _COPY_BELOW_BYTES:
+                return arr.tobytes()
+            return np.ascontiguousarray(arr).data.cast("B")
 
         return array
     if kind == "float":

@@ -8,17 +8,16 @@ eager; the driver refuses it on CUDA, whose attention is a Triton kernel.
 Graphs: the stack's one; per layer function: one token per request (decode batches, where
 attention runs as fused reductions) and everything else. `PagedAttention(for_compiled=True)`
 pads the layouts so that no other size pattern occurs (dynamo specializes sizes 0 and 1), far
-under dynamo's recompile limit (8); the handshake compiles all three."""
+under dynamo's recompile limit (8); the handshake compiles all three. Once compiled, graphs are
+called after a check of dynamo's guards, without dynamo's frame machinery (`direct_graphs.py`)."""
 
 from __future__ import annotations
-
-import types
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from drivers.torch.config import ModelConfig
+from drivers.torch.direct_graphs import DirectGraphs
 from drivers.torch.model import Block, Transformer, attention_inputs, attention_output, output_logits
 from drivers.torch.paged_attention import LayerKeys, PagedAttention, attend_keys
 
@@ -46,14 +45,6 @@ def _stack(
     return output_logits(cfg, norm, head, x)
 
 
-def _own_copy(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """`fn` with its own code object. Dynamo keeps graphs per code object and counts them against
-    its recompile limit (8) there: without copies, a process compiling models of three dtypes or
-    weight kinds (three graphs each; the bench does) fails on the third."""
-    code = fn.__code__.replace()
-    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-
-
 def _mark_dynamic(*tensors: torch.Tensor) -> None:
     """Compile these tensors' sizes as symbols (sizes 0 and 1 stay specialized)."""
     for t in tensors:
@@ -64,9 +55,11 @@ def _mark_dynamic(*tensors: torch.Tensor) -> None:
 class CompiledModel:
     def __init__(self, model: Transformer) -> None:
         self.model = model
-        self._layer: Callable[..., torch.Tensor] = torch.compile(_own_copy(_layer), fullgraph=True)
-        self._logits: Callable[..., torch.Tensor] = torch.compile(_own_copy(output_logits), fullgraph=True)
-        self._stack: Callable[..., torch.Tensor] = torch.compile(_own_copy(_stack), fullgraph=True)
+        # Each model compiles its own copies (dynamo counts graphs per code object), called
+        # without dynamo's per-call overhead once compiled (`direct_graphs.py`).
+        self._layer = DirectGraphs(_layer)
+        self._logits = DirectGraphs(output_logits)
+        self._stack = DirectGraphs(_stack)
 
     def __call__(
         self, tokens: torch.Tensor, positions: torch.Tensor, attention: PagedAttention, rows: torch.Tensor

@@ -1,0 +1,55 @@
+"""`DirectGraphs` calls compiled graphs directly once dynamo's guards pass, with dynamo's results:
+in-place writes to inputs included; a call no graph's guards accept compiles through dynamo and
+is then called directly too; where dynamo's cache entries cannot be read, calls go through dynamo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drivers.torch.direct_graphs import DirectGraphs
+
+
+def _write_and_sum(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
+    cache.index_copy_(0, slots, rows)
+    return cache.sum(0) * scale
+
+
+def _run(graphs: DirectGraphs, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    cache = torch.zeros(6, 3, dtype=dtype)
+    rows = torch.arange(6, dtype=dtype).reshape(2, 3)
+    out = graphs(cache, torch.tensor([4, 1]), rows, 0.5)
+    return cache, out
+
+
+def _check(cache: torch.Tensor, out: torch.Tensor) -> None:
+    want = torch.zeros_like(cache)
+    want[[4, 1]] = torch.arange(6, dtype=cache.dtype).reshape(2, 3)
+    assert torch.equal(cache, want)
+    assert torch.equal(out, want.sum(0) * 0.5)
+
+
+@torch.inference_mode()
+def test_direct_calls_write_inputs_and_recompile_through_dynamo() -> None:
+    graphs = DirectGraphs(_write_and_sum)
+    _check(*_run(graphs, torch.float32))  # compiles through dynamo
+    assert graphs.num_direct_calls == 0
+    _check(*_run(graphs, torch.float32))
+    assert graphs.num_direct_calls == 1
+    _check(*_run(graphs, torch.float64))  # no graph's guards accept float64: dynamo compiles one
+    assert graphs.num_direct_calls == 1
+    for dtype in (torch.float64, torch.float32):
+        _check(*_run(graphs, dtype))
+    assert graphs.num_direct_calls == 3
+
+
+@torch.inference_mode()
+def test_unreadable_cache_entries_keep_the_dynamo_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    def unreadable(code: object) -> list[object]:
+        raise AttributeError("no cache entries here")
+
+    monkeypatch.setattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", unreadable)
+    graphs = DirectGraphs(_write_and_sum)
+    for _ in range(2):
+        _check(*_run(graphs, torch.float32))
+    assert graphs.num_direct_calls == 0

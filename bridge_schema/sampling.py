@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_S11, _S27, _S30, _S31 = (np.uint64(n) for n in (11, 27, 30, 31))
+# 0-d arrays, not numpy scalars: a ufunc takes them without a conversion per call (hot path).
+_GOLDEN, _M1, _M2, _S11, _S27, _S30, _S31 = (
+    np.array(n, dtype=np.uint64) for n in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 11, 27, 30, 31)
+)
 
 
 def _splitmix64(z: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:

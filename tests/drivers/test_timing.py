@@ -82,12 +82,21 @@ async def test_without_timerfd_it_falls_back_to_a_thread(monkeypatch: pytest.Mon
     timer.close()
 
 
-@pytest.mark.parametrize("anyio_backend", ["trio"])
-async def test_on_trio_it_waits_in_a_thread(anyio_backend: str) -> None:
+async def test_off_asyncio_it_waits_in_a_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under another async library (trio) there is no asyncio loop to add the timerfd to."""
+    monkeypatch.setattr(timing, "_on_asyncio", lambda: False)
+    waited_in_thread: list[bool] = []
+    run_sync = anyio.to_thread.run_sync
+
+    async def recording_run_sync(func: object, *args: object) -> object:
+        waited_in_thread.append(True)
+        return await run_sync(func, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", recording_run_sync)
     timer = DueTimer()
     try:
         deadline = time.perf_counter() + 0.002
         await timer.wait_until(deadline)
-        assert time.perf_counter() >= deadline
+        assert time.perf_counter() >= deadline and waited_in_thread
     finally:
         timer.close()

@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 # Inductor re-checks each input's sizes and strides in its Python wrapper (~600 checks for the
 # decode stack, ~0.3 ms a call); the guards just checked them.
 INDUCTOR_OPTIONS = {"size_asserts": False}
+# Guards built with this skip the guards of an nn.Module subtree whose dicts are unchanged (dynamo
+# checks their version tags): the decode stack's guard check took 613 us a step without, 323 with.
+DYNAMO_OPTIONS = {"use_recursive_dict_tags_for_guards": True}
 
 _Inputs = Callable[[dict[str, Any]], list[Any]]
 
@@ -80,4 +83,5 @@ class DirectGraphs:
             if check(frame):
                 self.num_direct_calls += 1
                 return graph(*inputs(frame))[0]
-        return self._dynamo(*args)
+        with torch._dynamo.config.patch(DYNAMO_OPTIONS):
+            return self._dynamo(*args)

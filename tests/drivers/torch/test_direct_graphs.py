@@ -1,11 +1,13 @@
 """`DirectGraphs` calls compiled graphs directly once dynamo's guards pass, with dynamo's results:
 in-place writes to inputs included; a call no graph's guards accept compiles through dynamo and
-is then called directly too; where dynamo's cache entries cannot be read, calls go through dynamo."""
+is then called directly too, also after a module's attribute changed (guards built with dynamo's
+recursive dict tags); where dynamo's cache entries cannot be read, calls go through dynamo."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from drivers.torch.direct_graphs import DirectGraphs
 
@@ -53,3 +55,26 @@ def test_unreadable_cache_entries_keep_the_dynamo_path(monkeypatch: pytest.Monke
     for _ in range(2):
         _check(*_run(graphs, torch.float32))
     assert graphs.num_direct_calls == 0
+
+
+class _Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(3), requires_grad=False)
+
+
+def _scaled(module: _Scale, x: torch.Tensor) -> torch.Tensor:
+    return x * module.weight
+
+
+@torch.inference_mode()
+def test_a_rebound_module_attribute_fails_the_guards() -> None:
+    module, x, graphs = _Scale(), torch.arange(3.0), DirectGraphs(_scaled)
+    for _ in range(2):
+        assert torch.equal(graphs(module, x), x)
+    assert graphs.num_direct_calls == 1
+    module.weight = nn.Parameter(torch.full((1,), 2.0), requires_grad=False)  # another shape
+    assert torch.equal(graphs(module, x), x * 2)  # through dynamo: compiled again
+    assert graphs.num_direct_calls == 1
+    assert torch.equal(graphs(module, x), x * 2)
+    assert graphs.num_direct_calls == 2

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bridge_schema.batch import OutputSpec, RequestSpec, build_forward
 from bridge_schema.messages import Hello
+from drivers.torch import weight_arena
 from drivers.torch.checkpoint import Checkpoint, load_checkpoint
 from drivers.torch.driver import DTYPES, DriverOptions, TorchDriver
 
@@ -40,9 +41,13 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def read_bandwidth_gbs(device: str, repeats: int = 5) -> float:
-    """Best-of sequential read bandwidth of a 512 MiB tensor with the current thread count."""
-    x = torch.ones(128 * 1024 * 1024, dtype=torch.float32, device=device)
+def read_bandwidth_gbs(device: str, repeats: int = 5, huge_pages: bool = False) -> float:
+    """Best-of sequential read bandwidth of a 512 MiB tensor with the current thread count;
+    `huge_pages`: the tensor on transparent huge pages, like packed int8 weights (CPU)."""
+    if huge_pages:
+        x = weight_arena.allocate(512 * 1024 * 1024)[0].view(torch.float32).fill_(1.0)
+    else:
+        x = torch.ones(128 * 1024 * 1024, dtype=torch.float32, device=device)
     best = float("inf")
     for _ in range(repeats):
         _sync(device)
@@ -152,6 +157,68 @@ def best_of(repeats: int, run: Callable[[], tuple[float, float]]) -> tuple[float
     return max(r[0] for r in results), max(r[1] for r in results)
 
 
+def make_driver(ckpt: Checkpoint, spec: str, device: str, num_pages: int) -> TorchDriver:
+    """A driver for one --dtype entry, after its handshake."""
+    act, *flags = spec.split("+")
+    weights = next((f for f in flags if f not in ("compile", "torchmm", "unpacked")), "dense")
+    options = DriverOptions(
+        device=device,
+        dtype=act,
+        num_pages=num_pages,
+        weights=weights,
+        compile="compile" in flags,
+        w8a8_kernel="torchmm" not in flags,
+        pack_weights="unpacked" not in flags,
+    )
+    drv = TorchDriver(ckpt, options)
+    drv.handshake(Hello())
+    return drv
+
+
+def interleaved(args: argparse.Namespace, ckpt: Checkpoint) -> None:
+    """Batch-1 decode of every entry, alternated round by round in this process (each round:
+    both bandwidth probes, then each entry's prefill and decode); medians over the rounds."""
+    specs = args.dtype.split(",")
+    pages = (args.prompt_len + args.new_tokens + 15) // 16
+    drivers = {spec: make_driver(ckpt, spec, args.device, pages) for spec in specs}
+    rng = np.random.default_rng(0)
+    for drv in drivers.values():
+        bench_ours(drv, [rng.integers(0, 49152, 8).tolist()], 2)  # warm up
+    rates: dict[str, list[float]] = {spec: [] for spec in specs}
+    probes: dict[str, list[float]] = {"normal": [], "huge": []}
+    load_start = os.getloadavg()
+    for r in range(args.interleave):
+        probes["normal"].append(read_bandwidth_gbs(args.device, repeats=1))
+        probes["huge"].append(read_bandwidth_gbs(args.device, repeats=1, huge_pages=True))
+        prompt = [rng.integers(0, 49152, args.prompt_len).tolist()]
+        order = specs if r % 2 == 0 else specs[::-1]
+        for spec in order:
+            rates[spec].append(bench_ours(drivers[spec], prompt, args.new_tokens)[1])
+    load_end = os.getloadavg()
+    probe = {k: float(np.median(v)) for k, v in probes.items()}
+    print(f"load average {load_start} at the start, {load_end} at the end")
+    print(f"median probes: {probe['normal']:.1f} GB/s (4 KiB pages), {probe['huge']:.1f} GB/s (huge pages)")
+    print("| entry (batch 1) | decode tok/s median | min | max | bound | % of bound | bound (huge-page probe) | % |")
+    print("|---|---|---|---|---|---|---|---|")
+    rows = []
+    for spec in specs:
+        nbytes = weight_bytes(drivers[spec])
+        bound, bound_huge = probe["normal"] * 1e9 / nbytes, probe["huge"] * 1e9 / nbytes
+        med = float(np.median(rates[spec]))
+        rows.append(
+            {"dtype": spec, "decode_tok_s": rates[spec], "median": med, "bound": bound, "bound_huge": bound_huge}
+        )
+        print(
+            f"| {spec} | {med:.1f} | {min(rates[spec]):.1f} | {max(rates[spec]):.1f} | {bound:.1f} | "
+            f"{med / bound:.0%} | {bound_huge:.1f} | {med / bound_huge:.0%} |"
+        )
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"threads": torch.get_num_threads(), "rounds": args.interleave, "load_average": [load_start, load_end]}
+    out.write_text(json.dumps({"meta": meta, "probes": probes, "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="default: all cores")
@@ -166,6 +233,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2, help="best of N runs per measurement")
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument(
+        "--interleave", type=int, default=0, help="N rounds of batch-1 decode alternating the entries (no transformers)"
+    )
     parser.add_argument("--json", default="bench/results/decode.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -173,9 +243,12 @@ def main() -> None:
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     print(f"threads: {torch.get_num_threads()} (of {os.cpu_count()} cores); torch {torch.__version__}", flush=True)
+    ckpt = load_checkpoint("smollm2")
+    if args.interleave:
+        interleaved(args, ckpt)
+        return
     bandwidth = read_bandwidth_gbs(args.device)
     print(f"measured read bandwidth: {bandwidth:.1f} GB/s", flush=True)
-    ckpt = load_checkpoint("smollm2")
     rng = np.random.default_rng(0)
     batches = [int(b) for b in args.batches.split(",")]
     prompts = {b: [rng.integers(0, 49152, args.prompt_len).tolist() for _ in range(b)] for b in batches}
@@ -183,22 +256,10 @@ def main() -> None:
     twins: dict[str, torch.nn.Module] = {}
     rows = []
     for spec in args.dtype.split(","):
-        act, *flags = spec.split("+")
-        compiled, torchmm, unpacked = "compile" in flags, "torchmm" in flags, "unpacked" in flags
-        weights = next((f for f in flags if f not in ("compile", "torchmm", "unpacked")), "dense")
+        act = spec.split("+")[0]
         pages = max(batches) * ((args.prompt_len + args.new_tokens + 15) // 16)
-        options = DriverOptions(
-            device=args.device,
-            dtype=act,
-            num_pages=pages,
-            weights=weights,
-            compile=compiled,
-            w8a8_kernel=not torchmm,
-            pack_weights=not unpacked,
-        )
         start = time.perf_counter()
-        drv = TorchDriver(ckpt, options)
-        drv.handshake(Hello())
+        drv = make_driver(ckpt, spec, args.device, pages)
         startup_s = time.perf_counter() - start
         print(f"{spec}: driver ready in {startup_s:.1f} s", flush=True)
         bound_steps = bandwidth * 1e9 / weight_bytes(drv)

@@ -1,5 +1,6 @@
 """The w8a8 C++ kernel (`w8a8_kernel.cpp`) gives bit-identical results to the torch path at every
-row count (its matrix-vector path at 1-8 rows, `_int_mm` inside above), on odd shapes, so a row's
+row count (its matrix-vector path at 1-8 rows, blocks of 8 rows over weight tiles up to 64,
+`_int_mm` inside above), on odd shapes, so a row's
 result never depends on its batch; torch.compile calls it as an opaque op; where it cannot be
 built, w8a8 says why and keeps the torch path."""
 
@@ -28,9 +29,9 @@ def kernel() -> None:
     assert w8a8_kernel.load(show_progress=False), "the kernel did not build (see the logged reason)"
 
 
-def _linear(n: int, k: int, seed: int) -> tuple[torch.Tensor, DynamicInt8Linear]:
+def _linear(n: int, k: int, seed: int, rows: int = 9) -> tuple[torch.Tensor, DynamicInt8Linear]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(9, k, generator=g) * 3, DynamicInt8Linear(torch.randn(n, k, generator=g), None, True)
+    return torch.randn(rows, k, generator=g) * 3, DynamicInt8Linear(torch.randn(n, k, generator=g), None, True)
 
 
 @needs_kernel
@@ -45,12 +46,26 @@ def test_kernel_equals_torch_path_exactly(kernel: None, n: int, k: int) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize(("n", "k"), [(7, 100), (61, 130), (96, 576), (45, 1536)])
+def test_kernel_in_row_blocks_equals_torch_path_exactly(kernel: None, n: int, k: int) -> None:
+    # n spans several weight tiles (odd n: the tiles' last row runs alone) at k = 576 and 1536.
+    x, lin = _linear(n, k, seed=n * k, rows=65)
+    x[10] = 0.0
+    x[17, : k // 2] *= 1000
+    for m in (9, 16, 31, 32, 33, 64, 65):  # 9-64: blocks of 8 rows and a remainder; 65: `_int_mm`
+        got = torch.ops.wafer.w8a8_linear(x[:m], lin.weight_int8, lin.scale, lin.weight_sum)
+        assert torch.equal(got, w8a8_reference(x[:m], lin.weight_int8, lin.scale)), (n, k, m)
+
+
+@needs_kernel
 def test_kernel_row_does_not_depend_on_its_batch(kernel: None) -> None:
     x, lin = _linear(200, 576, seed=1)
-    big = torch.cat([x, x * 50, -x])  # 27 rows: past the matrix-vector path
+    big = torch.cat([x, x * 50, -x])  # 27 rows: blocks of 8 over weight tiles
     alone = lin(x[:1])
-    for batch in (x[:4], x, big):
-        assert torch.equal(lin(batch)[:1], alone)
+    for batch in (x[:4], x, big, torch.cat([big, big[:6]]), torch.cat([big, big, -big])):  # 33, 81 rows
+        y = lin(batch)
+        assert torch.equal(y[:1], alone)
+        assert torch.equal(y[-1:], lin(batch[-1:]))  # the last row, in the last (partial) block
 
 
 @needs_kernel

@@ -55,10 +55,6 @@ def scalar_field(kind: str, default: Any = dataclasses.MISSING, int_range: str =
     return dataclasses.field(default=default, metadata={"wire": wire})
 
 
-def encode_value(wire: Wire, value: Any) -> Any:
-    return field_encoder(wire)(value)
-
-
 def field_encoder(wire: Wire) -> Callable[[Any], Any]:
     """A function encoding one field, built once per field (the encoder's hot path)."""
     kind = wire.kind
@@ -84,11 +80,6 @@ def field_encoder(wire: Wire) -> Callable[[Any], Any]:
     if kind == "stats":
         return dict
     return lambda value: value
-
-
-def decode_value(wire: Wire, name: str, raw: Any) -> Any:
-    """Decode one field; raise `FieldError`/`RangeError` naming `name` on anything unexpected."""
-    return field_decoder(wire, name)(raw)
 
 
 def field_decoder(wire: Wire, name: str) -> Callable[[Any], Any]:

@@ -4,10 +4,11 @@ with the memory-bandwidth bound (weight bytes read per decode step / measured re
 
     python bench/decode.py [--threads N] [--dtype float32,float32+w8a8+compile] [--batches 1,8,32] [--json PATH]
 
-Each --dtype entry is DTYPE[+WEIGHTS][+compile][+torchmm][+unpacked]: the activation dtype, the
-weight kind (int8, w8a8; dense when absent), whether the driver runs its compiled path, (torchmm)
-whether w8a8 keeps the torch matmul path instead of the C++ kernel, and (unpacked) whether int8
-weights stay one tensor each instead of one buffer on huge pages. transformers runs once per
+Each --dtype entry is DTYPE[+WEIGHTS][+compile][+torchmm][+torchattn][+unpacked]: the activation
+dtype, the weight kind (int8, w8a8; dense when absent), whether the driver runs its compiled path,
+(torchmm) whether w8a8 keeps the torch matmul path instead of the C++ kernel, (torchattn) whether
+float32 decode keeps the torch attention path instead of the C++ kernel, and (unpacked) whether
+int8 weights stay one tensor each instead of one buffer on huge pages. transformers runs once per
 activation dtype and batch, on the same prompts as every entry. Prints a table and writes JSON.
 Not part of the test run.
 """
@@ -160,7 +161,7 @@ def best_of(repeats: int, run: Callable[[], tuple[float, float]]) -> tuple[float
 def make_driver(ckpt: Checkpoint, spec: str, device: str, num_pages: int) -> TorchDriver:
     """A driver for one --dtype entry, after its handshake."""
     act, *flags = spec.split("+")
-    weights = next((f for f in flags if f not in ("compile", "torchmm", "unpacked")), "dense")
+    weights = next((f for f in flags if f not in ("compile", "torchmm", "torchattn", "unpacked")), "dense")
     options = DriverOptions(
         device=device,
         dtype=act,
@@ -168,6 +169,7 @@ def make_driver(ckpt: Checkpoint, spec: str, device: str, num_pages: int) -> Tor
         weights=weights,
         compile="compile" in flags,
         w8a8_kernel="torchmm" not in flags,
+        attention_kernel="torchattn" not in flags,
         pack_weights="unpacked" not in flags,
     )
     drv = TorchDriver(ckpt, options)

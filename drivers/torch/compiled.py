@@ -23,10 +23,16 @@ from drivers.torch.paged_attention import LayerKeys, PagedAttention, attend_keys
 
 
 def _layer(
-    cfg: ModelConfig, block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: LayerKeys
+    cfg: ModelConfig,
+    block: Block,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: LayerKeys,
+    kernel: bool,
 ) -> torch.Tensor:
     q, k, v = attention_inputs(cfg, block, x, cos, sin, None)
-    return attention_output(cfg, block, x, attend_keys(q, k, v, keys, cfg.scale, fused_decode=True), None)
+    return attention_output(cfg, block, x, attend_keys(q, k, v, keys, cfg.scale, True, kernel), None)
 
 
 def _stack(
@@ -37,11 +43,12 @@ def _stack(
     keys: list[LayerKeys],
     norm: nn.Module,
     head: nn.Module | torch.Tensor,
+    kernel: bool,
 ) -> torch.Tensor:
     cos, sin, cos_local, sin_local = rope
     for i, block in enumerate(blocks):
         windowed = cfg.window(i) > 0
-        x = _layer(cfg, block, x, cos_local if windowed else cos, sin_local if windowed else sin, keys[i])
+        x = _layer(cfg, block, x, cos_local if windowed else cos, sin_local if windowed else sin, keys[i], kernel)
     return output_logits(cfg, norm, head, x)
 
 
@@ -72,7 +79,14 @@ class CompiledModel:
             keys = [attention.layer_keys(i) for i in range(cfg.num_layers)]
             _mark_dynamic(*{id(t): t for k in keys for t in k[2:]}.values())  # families share theirs
             logits = self._stack(
-                cfg, model.model.blocks(), x, (*rope_full, *rope_local), keys, model.model.norm, model.head()
+                cfg,
+                model.model.blocks(),
+                x,
+                (*rope_full, *rope_local),
+                keys,
+                model.model.norm,
+                model.head(),
+                attention.kernel,
             )
             return logits[rows]
         for i, block in enumerate(model.model.blocks()):
@@ -80,7 +94,7 @@ class CompiledModel:
             keys = attention.layer_keys(i)
             if i == 0:  # only the first call of a pass can compile
                 _mark_dynamic(x, cos, sin, keys.slots, keys.q_index, keys.key_index, keys.mask, keys.empty, keys.valid)
-            x = self._layer(cfg, block, x, cos, sin, keys)
+            x = self._layer(cfg, block, x, cos, sin, keys, attention.kernel)
         x = x[rows]
         _mark_dynamic(x)
         return self._logits(cfg, model.model.norm, model.head(), x)

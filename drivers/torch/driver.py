@@ -16,6 +16,7 @@ from bridge_schema.config_rules import check_prefix_match_unit
 from bridge_schema.errors import ConfigError
 from bridge_schema.messages import DEFERRED_TOKENS, Adapter, Copy, Forward, ForwardResult, Handshake, Hello
 from drivers.errors import ConfigRejected, RequestRejected
+from drivers.torch import cpu_kernels
 from drivers.torch.batch_plan import CacheLimits, PassPlan, build_plan
 from drivers.torch.checkpoint import Checkpoint
 from drivers.torch.compiled import CompiledModel
@@ -46,9 +47,12 @@ class DriverOptions:
     # "dense" (the activation dtype), "int8" (weight-only, bf16/fp16 only) or "w8a8" (int8 weights
     # and per-row int8 activations in the matmuls): see `quantize.py`.
     weights: str = "dense"
-    # w8a8 on the CPU: the C++ kernel of `w8a8_kernel.py` where it builds; False keeps the torch
+    # w8a8 on the CPU: the C++ kernel of `cpu_kernels.py` where it builds; False keeps the torch
     # path (same results; for side-by-side measurements).
     w8a8_kernel: bool = True
+    # Decode passes in float32 on the CPU: the C++ attention of `cpu_kernels.py` where it builds;
+    # False keeps the torch path (same results to float32 rounding; for side-by-side measurements).
+    attention_kernel: bool = True
     # int8 weights on the CPU: one buffer in step order on huge pages (`weight_arena.py`); False
     # keeps one tensor per weight (same results; for side-by-side measurements).
     pack_weights: bool = True
@@ -96,6 +100,12 @@ class TorchDriver:
         elif self.device.type == "cpu" and self.dtype == torch.float32:
             self.model = transpose_linears(self.model)
         self.use_triton = self.device.type == "cuda"
+        self.attention_kernel = (
+            options.attention_kernel
+            and self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and cpu_kernels.load()
+        )
         self.compiled: CompiledModel | None = None
         if options.compile:
             if self.device.type != "cpu":
@@ -197,9 +207,9 @@ class TorchDriver:
             token_adapter = np.repeat(request.adapter_ids.astype(np.int64), plan.num_q_np)
             lora = LoraBatch(self.adapters, token_adapter, self.device)
         if self.compiled is not None and lora is None:
-            attend = PagedAttention(self.cfg, self.cache, plan, self.use_triton, for_compiled=True)
+            attend = PagedAttention(self.cfg, self.cache, plan, self.use_triton, True, self.attention_kernel)
             return plan, self.compiled(plan.tokens, plan.positions, attend, plan.out_tokens)
-        attend = PagedAttention(self.cfg, self.cache, plan, self.use_triton)
+        attend = PagedAttention(self.cfg, self.cache, plan, self.use_triton, kernel=self.attention_kernel)
         return plan, self.model(plan.tokens, plan.positions, attend, plan.out_tokens, lora)
 
     @torch.inference_mode()

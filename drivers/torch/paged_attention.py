@@ -31,14 +31,27 @@ class LayerKeys(NamedTuple):
 
 
 def attend_keys(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: LayerKeys, scale: float, fused_decode: bool = False
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keys: LayerKeys,
+    scale: float,
+    fused_decode: bool = False,
+    kernel: bool = False,
 ) -> torch.Tensor:
     """Write k/v [T, Hkv, D] into the cache, attend q [T, H, D] over the keys -> [T, H, D].
-    `fused_decode` (for compiled layers): with one query per request, attention as gather,
-    multiply and sum, which Inductor fuses without materializing the gathered keys."""
+    With one query per request: `kernel` (float32 on the CPU, `cpu_kernels` loaded) runs the C++
+    decode attention, which reads the keys in place; else `fused_decode` (for compiled layers)
+    runs attention as gather, multiply and sum, which Inductor fuses without materializing the
+    gathered keys."""
     keys.k_cache.index_copy_(0, keys.slots, k.to(keys.k_cache.dtype))
     keys.v_cache.index_copy_(0, keys.slots, v.to(keys.v_cache.dtype))
-    if fused_decode and keys.q_index.shape[1] == 1:
+    decode = keys.q_index.shape[1] == 1
+    if decode and kernel:
+        out = torch.ops.wafer.decode_attention(
+            q[keys.q_index[:, 0]], keys.k_cache, keys.v_cache, keys.key_index, keys.mask[:, 0], keys.empty[:, 0], scale
+        )
+    elif decode and fused_decode:
         out = _decode_attention(q, keys, scale)
     else:
         out = masked_attention(
@@ -77,13 +90,20 @@ class PagedAttention:
     one token; one token per request (decode batches); the rest."""
 
     def __init__(
-        self, cfg: ModelConfig, cache: PagedKVCache, plan: PassPlan, use_triton: bool, for_compiled: bool = False
+        self,
+        cfg: ModelConfig,
+        cache: PagedKVCache,
+        plan: PassPlan,
+        use_triton: bool,
+        for_compiled: bool = False,
+        kernel: bool = False,
     ) -> None:
         self.cfg = cfg
         self.cache = cache
         self.plan = plan
         self.use_triton = use_triton
         self.for_compiled = for_compiled
+        self.kernel = kernel  # decode passes run `torch.ops.wafer.decode_attention` (see attend_keys)
         self._families: dict[int, _FamilyTensors] = {}
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -103,7 +123,7 @@ class PagedAttention:
                 window,
                 self.cfg.num_sink_tokens if window else 0,
             )
-        return attend_keys(q, k, v, self.layer_keys(layer), self.cfg.scale)
+        return attend_keys(q, k, v, self.layer_keys(layer), self.cfg.scale, kernel=self.kernel)
 
     def layer_keys(self, layer: int) -> LayerKeys:
         window = self.cfg.window(layer)

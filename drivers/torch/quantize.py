@@ -8,7 +8,7 @@ bytes, so 4x fewer bytes than fp32 is the main lever on the CPU. Two kinds:
   on the other rows of the batch) and multiplied with the exact integer matmul `torch._int_mm`;
   any activation dtype. Measured on the 2-core dev machine (1 thread, SmolLM2's shapes), it is
   1.6x faster than the weight-only kernel at 1 row and 2.3x at 8, at the cost of a larger error.
-  On the CPU its matmuls run the C++ kernel of `w8a8_kernel.py` where it builds (bit-identical
+  On the CPU its matmuls run the C++ kernel of `cpu_kernels.py` where it builds (bit-identical
   results; at 1-8 rows it streams the weights about twice as fast as `_int_mm`)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from drivers.errors import ConfigRejected
-from drivers.torch import w8a8_kernel, weight_arena
+from drivers.torch import cpu_kernels, weight_arena
 from drivers.torch.model import Transformer
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ def quantize_int8(model: Transformer, kind: str = "int8", use_kernel: bool = Tru
         raise ConfigRejected(f"weights must be one of {WEIGHT_KINDS}, got {kind!r}", "weights")
 
     on_cpu = model.model.embed_tokens.weight.device.type == "cpu"
-    kernel = kind == "w8a8" and use_kernel and on_cpu and w8a8_kernel.load()
+    kernel = kind == "w8a8" and use_kernel and on_cpu and cpu_kernels.load()
 
     def convert(weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear | DynamicInt8Linear:
         return Int8Linear(weight, bias, dtype) if kind == "int8" else DynamicInt8Linear(weight, bias, kernel)

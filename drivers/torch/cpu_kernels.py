@@ -1,0 +1,81 @@
+"""wafer's C++ CPU kernels, built once per machine with torch's C++ extension loader (cached in
+torch's extension directory) and registered as opaque ops that torch.compile calls as they are:
+
+- `torch.ops.wafer.w8a8_linear` (`w8a8_kernel.cpp`): int8 weights times per-row int8 activations,
+  bit-identical to `DynamicInt8Linear`'s torch path;
+- `torch.ops.wafer.decode_attention` (`decode_attention.cpp`): float32 attention of one query per
+  request over keys read in place from the paged cache (`paged_attention.attend_keys`).
+
+Where they cannot be built, `load()` says why and returns False; callers then keep the plain
+torch paths, which give the same results (to float32 rounding, for attention)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+
+from drivers.torch.progress import Progress
+
+log = logging.getLogger(__name__)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("w8a8_kernel.cpp", "decode_attention.cpp"))
+_state: dict[str, bool] = {}  # "loaded": the outcome of the first `load()` of this process
+
+
+def _fake_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, w_sum: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+def _fake_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key_index: torch.Tensor,
+    mask: torch.Tensor,
+    empty: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
+def load(show_progress: bool = True) -> bool:
+    """Build (or find in the cache) and register the kernels; False, with a logged reason, where not."""
+    if "loaded" not in _state:
+        _state["loaded"] = _build(show_progress)
+    return _state["loaded"]
+
+
+def loaded() -> bool:
+    """Whether an earlier `load()` of this process registered the kernels (builds nothing)."""
+    return _state.get("loaded", False)
+
+
+def _build(show_progress: bool) -> bool:
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        log.warning("C++ CPU kernels not built (ninja is not installed): the torch paths run instead")
+        return False
+    # The name carries the sources' hash: an edited kernel never loads a stale build.
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES)).hexdigest()[:12]
+    progress = Progress("building the C++ CPU kernels (cached for the next start)", 1, show_progress)
+    progress.update(0)
+    try:
+        sources = [str(s) for s in SOURCES]
+        cpp_extension.load(f"wafer_cpu_{digest}", sources, extra_cflags=["-O3"], is_python_module=False, verbose=False)
+    except (OSError, RuntimeError, ImportError) as exc:  # no compiler, a failed build or load
+        lines = str(exc).splitlines() or [type(exc).__name__]
+        reason = next((line for line in lines if "error" in line), lines[0])
+        log.warning("C++ CPU kernels not built (%s): the torch paths run instead", reason.strip())
+        return False
+    progress.update(1)
+    torch.library.register_fake("wafer::w8a8_linear")(_fake_linear)
+    torch.library.register_fake("wafer::decode_attention")(_fake_attention)
+    return True
+
+
+def has_vnni() -> bool:
+    """Whether the loaded w8a8 kernel runs its AVX512-VNNI matrix-vector path (else `_int_mm` inside)."""
+    return bool(torch.ops.wafer.w8a8_has_vnni())

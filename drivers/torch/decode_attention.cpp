@@ -1,0 +1,267 @@
+// wafer::decode_attention: attention of one query per request over keys read in place from the
+// paged cache, float32, for decode passes on the CPU. For request b and KV head g it reads the
+// keys' rows k_cache[key_index[b, j], g] where mask[b, j] (never the padding), so nothing is
+// gathered into a padded copy first; a request whose row is `empty` attends to nothing and gets
+// zeros. The G = H / Hkv query heads of a KV head share each key and value row as it is read.
+//
+// Softmax as the reference computes it: scores times scale, minus their maximum, exp, divided by
+// the sum. exp is a degree-7 polynomial after range reduction (relative error ~1e-7); results
+// match `masked_attention` to float32 rounding, not bit for bit.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+  return yes;
+}
+
+// One (request, KV head) of work: its query rows q[G][D] (contiguous heads), its valid key slots,
+// the cache rows at `base + slot * stride`, and where its G output rows go.
+struct Task {
+  const float* q;
+  const int64_t* slots;
+  int64_t n;
+  const float* k;
+  const float* v;
+  int64_t stride;
+  int64_t heads;  // G
+  int64_t dim;    // D
+  float scale;
+  float* scores;  // [G][n] scratch
+  float* out;     // [G][D]
+};
+
+void attend_scalar(const Task& t) {
+  for (int64_t i = 0; i < t.heads; ++i) {
+    const float* q = t.q + i * t.dim;
+    float* s = t.scores + i * t.n;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < t.n; ++j) {
+      const float* k = t.k + t.slots[j] * t.stride;
+      float dot = 0.0f;
+      for (int64_t d = 0; d < t.dim; ++d) dot += q[d] * k[d];
+      s[j] = dot * t.scale;
+      top = std::max(top, s[j]);
+    }
+    float sum = 0.0f;
+    for (int64_t j = 0; j < t.n; ++j) sum += (s[j] = std::exp(s[j] - top));
+    float* o = t.out + i * t.dim;
+    std::fill(o, o + t.dim, 0.0f);
+    for (int64_t j = 0; j < t.n; ++j) {
+      const float* v = t.v + t.slots[j] * t.stride;
+      for (int64_t d = 0; d < t.dim; ++d) o[d] += s[j] * v[d];
+    }
+    for (int64_t d = 0; d < t.dim; ++d) o[d] /= sum;
+  }
+}
+
+// exp(x) for x <= 0 (scores minus their maximum): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its
+// Taylor polynomial to degree 7 (error < 6e-9 relative), times 2^n with scalef. Below -87 the
+// result underflows to 0 as expf's does (to within a denormal).
+__attribute__((target("avx512f,avx512dq"))) inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Sixteen vectors -> one whose lane j is the sum of the lanes of v[j]: a tree of in-lane and
+// cross-lane shuffles, 15 adds for 16 dot products instead of a full reduction each.
+__attribute__((target("avx512f,avx512dq"))) inline __m512 reduce16(__m512* v) {
+  // Round 1: pairs (j, j + 8) -> 8 vectors whose 256-bit halves belong to j and j + 8.
+  for (int j = 0; j < 8; ++j) {
+    const __m512 lo = _mm512_shuffle_f32x4(v[j], v[j + 8], 0x44);  // v[j].lo256, v[j+8].lo256
+    const __m512 hi = _mm512_shuffle_f32x4(v[j], v[j + 8], 0xEE);  // v[j].hi256, v[j+8].hi256
+    v[j] = _mm512_add_ps(lo, hi);
+  }
+  // Round 2: (j, j + 4) over 128-bit quarters: [j.q0 j+4.q0 j.q1 j+4.q1]-style.
+  for (int j = 0; j < 4; ++j) {
+    const __m512 a = _mm512_shuffle_f32x4(v[j], v[j + 4], 0x88);  // quarters 0, 2 of each
+    const __m512 b = _mm512_shuffle_f32x4(v[j], v[j + 4], 0xDD);  // quarters 1, 3 of each
+    v[j] = _mm512_add_ps(a, b);
+  }
+  // Round 3: (j, j + 2) within 128-bit lanes, interleaved single floats.
+  for (int j = 0; j < 2; ++j) v[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[j], v[j + 2]), _mm512_unpackhi_ps(v[j], v[j + 2]));
+  // Round 4: (0, 1), pairs of floats.
+  const __m512d a = _mm512_castps_pd(v[0]), b = _mm512_castps_pd(v[1]);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+}
+
+// The lane order reduce16 leaves: lane L holds the sum of vector kReduceOrder[L]. Callers put the
+// vector meant for lane L at kReduceOrder[L], so the lanes come out in order.
+constexpr int kReduceOrder[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+template <int NC>
+__attribute__((target("avx512f,avx512dq"))) void attend_avx512(const Task& t) {
+  const __mmask16 tail = (t.dim % 16) ? static_cast<__mmask16>((1u << (t.dim % 16)) - 1) : 0xFFFF;
+#define load(p, c) ((c) == NC - 1 ? _mm512_maskz_loadu_ps(tail, (p) + 16 * (c)) : _mm512_loadu_ps((p) + 16 * (c)))
+  // Scores: 16 keys at a time per head, their dot products reduced together.
+  for (int64_t i = 0; i < t.heads; ++i) {
+    __m512 q[NC];
+    for (int c = 0; c < NC; ++c) q[c] = _mm512_mul_ps(load(t.q + i * t.dim, c), _mm512_set1_ps(t.scale));
+    float* s = t.scores + i * t.n;
+    int64_t j = 0;
+    for (; j + 16 <= t.n; j += 16) {
+      __m512 acc[16];
+      for (int u = 0; u < 16; ++u) {
+        const float* k = t.k + t.slots[j + u] * t.stride;
+        __m512 a = _mm512_mul_ps(q[0], load(k, 0));
+        for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(q[c], load(k, c), a);
+        acc[kReduceOrder[u]] = a;
+      }
+      _mm512_storeu_ps(s + j, reduce16(acc));
+    }
+    for (; j < t.n; ++j) {
+      const float* k = t.k + t.slots[j] * t.stride;
+      __m512 a = _mm512_mul_ps(q[0], load(k, 0));
+      for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(q[c], load(k, c), a);
+      s[j] = _mm512_reduce_add_ps(a);
+    }
+    // Softmax over the n scores.
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    __m512 vmax = _mm512_set1_ps(neg_inf);
+    for (j = 0; j + 16 <= t.n; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j));
+    float top = _mm512_reduce_max_ps(vmax);
+    for (int64_t r = j; r < t.n; ++r) top = std::max(top, s[r]);
+    const __m512 vtop = _mm512_set1_ps(top);
+    __m512 vsum = _mm512_setzero_ps();
+    for (j = 0; j < t.n; j += 16) {
+      const __mmask16 m = t.n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (t.n - j)) - 1);
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vtop));
+      _mm512_mask_storeu_ps(s + j, m, e);
+      vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
+    // Output: the weighted sum of the value rows.
+    __m512 o[NC];
+    for (int c = 0; c < NC; ++c) o[c] = _mm512_setzero_ps();
+    for (j = 0; j < t.n; ++j) {
+      const float* v = t.v + t.slots[j] * t.stride;
+      const __m512 w = _mm512_set1_ps(s[j]);
+      for (int c = 0; c < NC; ++c) o[c] = _mm512_fmadd_ps(w, load(v, c), o[c]);
+    }
+    float* out = t.out + i * t.dim;
+    for (int c = 0; c < NC; ++c) {
+      const __m512 r = _mm512_mul_ps(o[c], inv);
+      if (c == NC - 1) {
+        _mm512_mask_storeu_ps(out + 16 * c, tail, r);
+      } else {
+        _mm512_storeu_ps(out + 16 * c, r);
+      }
+    }
+  }
+#undef load
+}
+
+using Kernel = void (*)(const Task&);
+
+template <int NC>
+Kernel pick(int64_t chunks) {
+  if constexpr (NC > 16) {
+    return attend_scalar;
+  } else {
+    return chunks == NC ? attend_avx512<NC> : pick<NC + 1>(chunks);
+  }
+}
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& key_index, const at::Tensor& mask, const at::Tensor& empty, double scale,
+                  bool portable) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q: [B, H, D] float32");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous(),
+              "k_cache: contiguous [S, Hkv, D] float32");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
+              "v_cache: like k_cache");
+  const int64_t b = q.size(0), h = q.size(1), d = q.size(2), slots = k_cache.size(0), hkv = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == d && hkv > 0 && h % hkv == 0, "q heads must be a multiple of the cache's KV heads");
+  TORCH_CHECK(key_index.dim() == 2 && key_index.size(0) == b && key_index.scalar_type() == at::kLong,
+              "key_index: [B, K] int64");
+  TORCH_CHECK(mask.sizes() == key_index.sizes() && mask.scalar_type() == at::kBool, "mask: [B, K] bool");
+  TORCH_CHECK(empty.dim() == 1 && empty.size(0) == b && empty.scalar_type() == at::kBool, "empty: [B] bool");
+  const at::Tensor qc = q.contiguous(), ic = key_index.contiguous(), mc = mask.contiguous(), ec = empty.contiguous();
+  at::Tensor out = at::zeros({b, h, d}, q.options());
+  const int64_t n = key_index.size(1), groups = h / hkv;
+  const int64_t* idx = ic.data_ptr<int64_t>();
+  const bool* mk = mc.data_ptr<bool>();
+  const bool* em = ec.data_ptr<bool>();
+  // Every key a request reads is checked before any is read: a bad slot is an error, not a fault.
+  for (int64_t r = 0; r < b; ++r) {
+    if (em[r]) continue;
+    for (int64_t j = 0; j < n; ++j) {
+      TORCH_CHECK(!mk[r * n + j] || (idx[r * n + j] >= 0 && idx[r * n + j] < slots), "key_index: slot ",
+                  idx[r * n + j], " of request ", r, " outside the cache's ", slots, " slots");
+    }
+  }
+  const Kernel kernel = has_avx512() && !portable ? pick<1>((d + 15) / 16) : attend_scalar;
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, b * hkv, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<int64_t> valid(static_cast<size_t>(n));
+    std::vector<float> scores(static_cast<size_t>(groups * n));
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t r = task / hkv, g = task % hkv;
+      if (em[r]) continue;
+      int64_t count = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        if (mk[r * n + j]) valid[count++] = idx[r * n + j];
+      }
+      if (count == 0) continue;
+      const Task t{qp + (r * h + g * groups) * d, valid.data(), count, kp + g * d, vp + g * d, hkv * d, groups, d,
+                   static_cast<float>(scale), scores.data(), op + (r * h + g * groups) * d};
+      kernel(t);
+    }
+  });
+  return out;
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& key_index, const at::Tensor& mask, const at::Tensor& empty,
+                            double scale) {
+  return attend(q, k_cache, v_cache, key_index, mask, empty, scale, false);
+}
+
+// The same without AVX-512 (what a CPU without it runs), so that tests cover it everywhere.
+at::Tensor decode_attention_portable(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                     const at::Tensor& key_index, const at::Tensor& mask, const at::Tensor& empty,
+                                     double scale) {
+  return attend(q, k_cache, v_cache, key_index, mask, empty, scale, true);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(wafer, lib) {
+#define WAFER_ATTENTION_ARGS \
+  "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor key_index, Tensor mask, Tensor empty, float scale) -> Tensor"
+  lib.def("decode_attention" WAFER_ATTENTION_ARGS);
+  lib.def("decode_attention_portable" WAFER_ATTENTION_ARGS);
+#undef WAFER_ATTENTION_ARGS
+}
+
+TORCH_LIBRARY_IMPL(wafer, CPU, lib) {
+  lib.impl("decode_attention", &decode_attention);
+  lib.impl("decode_attention_portable", &decode_attention_portable);
+}

@@ -1,0 +1,252 @@
+"""The C++ CPU kernels (`cpu_kernels.py`).
+
+w8a8 (`w8a8_kernel.cpp`) gives bit-identical results to the torch path at every row count (its
+matrix-vector path at 1-8 rows, blocks of 8 rows over weight tiles up to 32, `_int_mm` inside
+above), on odd shapes, so a row's result never depends on its batch; torch.compile calls it as an
+opaque op; where it cannot be built, w8a8 says why and keeps the torch path.
+
+Decode attention (`decode_attention.cpp`, vectorized and portable) equals the reference attention
+to float32 rounding at every head size and grouping, over keys with holes, repeats and padding,
+gives zeros to requests that attend to nothing, and refuses a key slot outside the cache; the
+driver runs it for decode passes in float32, eager and compiled, with the same logits as the torch
+paths, sliding windows and sinks included."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils import cpp_extension
+
+from bridge_schema.messages import Hello
+from drivers.torch import cpu_kernels
+from drivers.torch.attention_ref import masked_attention
+from drivers.torch.driver import DriverOptions, TorchDriver
+from drivers.torch.quantize import DynamicInt8Linear, w8a8_reference
+from tests.drivers.torch.helpers import (
+    forward,
+    load_dir,
+    make_driver,
+    random_tokens,
+    request,
+    write_tiny_gemma,
+    write_tiny_llama,
+)
+
+CAN_BUILD = cpp_extension.is_ninja_available() and shutil.which("c++") is not None
+needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="no C++ toolchain (ninja and c++) to build the kernel")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> None:
+    assert cpu_kernels.load(show_progress=False), "the kernel did not build (see the logged reason)"
+
+
+def _linear(n: int, k: int, seed: int, rows: int = 9) -> tuple[torch.Tensor, DynamicInt8Linear]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, k, generator=g) * 3, DynamicInt8Linear(torch.randn(n, k, generator=g), None, True)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k"), [(1, 64), (7, 100), (33, 130), (96, 576), (40, 1536)])
+def test_kernel_equals_torch_path_exactly(kernel: None, n: int, k: int) -> None:
+    x, lin = _linear(n, k, seed=n + k)
+    x[2] = 0.0  # an all-zero row: its scale is clamped, its output 0
+    x[3, : k // 2] *= 1000  # one large half: most of the row rounds to 0
+    for m in (1, 2, 3, 5, 8, 9):  # 1-8: the matrix-vector path; 9: `_int_mm` inside the kernel
+        got = torch.ops.wafer.w8a8_linear(x[:m], lin.weight_int8, lin.scale, lin.weight_sum)
+        assert torch.equal(got, w8a8_reference(x[:m], lin.weight_int8, lin.scale)), (n, k, m)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k"), [(7, 100), (61, 130), (96, 576), (45, 1536)])
+def test_kernel_in_row_blocks_equals_torch_path_exactly(kernel: None, n: int, k: int) -> None:
+    # n spans several weight tiles (odd n: the tiles' last row runs alone) at k = 576 and 1536.
+    x, lin = _linear(n, k, seed=n * k, rows=65)
+    x[10] = 0.0
+    x[17, : k // 2] *= 1000
+    for m in (9, 16, 31, 32, 33, 64, 65):  # 9-32: blocks of 8 rows and a remainder; 33-65: `_int_mm`
+        got = torch.ops.wafer.w8a8_linear(x[:m], lin.weight_int8, lin.scale, lin.weight_sum)
+        assert torch.equal(got, w8a8_reference(x[:m], lin.weight_int8, lin.scale)), (n, k, m)
+
+
+@needs_kernel
+def test_kernel_row_does_not_depend_on_its_batch(kernel: None) -> None:
+    x, lin = _linear(200, 576, seed=1)
+    big = torch.cat([x, x * 50, -x])  # 27 rows: blocks of 8 over weight tiles
+    alone = lin(x[:1])
+    for batch in (x[:4], x, big, torch.cat([big, big[:5]]), torch.cat([big, big, -big])):  # 32, 81 rows
+        y = lin(batch)
+        assert torch.equal(y[:1], alone)
+        assert torch.equal(y[-1:], lin(batch[-1:]))  # the last row, in the last (partial) block
+
+
+@needs_kernel
+def test_compiled_call_is_opaque_and_equal(kernel: None) -> None:
+    x, lin = _linear(48, 96, seed=2)
+    compiled = torch.compile(lin, fullgraph=True)
+    assert torch.equal(compiled(x[:1]), lin(x[:1]))
+
+
+@needs_kernel
+def test_driver_kernel_equals_torch_path(kernel: None, tmp_path: Path) -> None:
+    ckpt = load_dir(write_tiny_llama(tmp_path / "m"))
+    drivers = [TorchDriver(ckpt, DriverOptions(weights="w8a8", w8a8_kernel=on, num_pages=8)) for on in (True, False)]
+    assert [d.model.model.layers[0].mlp.down_proj.use_kernel for d in drivers] == [True, False]
+    prompt = random_tokens(13, 96, seed=4)
+    for drv in drivers:
+        drv.handshake(Hello())
+    got, want = (d.logits(forward([request(prompt, 0, range(8), 16, all_rows=True)])) for d in drivers)
+    assert torch.equal(got, want)
+    nxt = [int(got[-1].argmax())]
+    got, want = (d.logits(forward([request(nxt, len(prompt), range(8), 16)])) for d in drivers)
+    assert torch.equal(got, want)
+
+
+def test_without_a_toolchain_w8a8_says_why_and_keeps_the_torch_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        drv = TorchDriver(load_dir(write_tiny_llama(tmp_path / "m")), DriverOptions(weights="w8a8", num_pages=8))
+    assert "ninja is not installed" in caplog.text
+    assert not drv.model.model.layers[0].self_attn.o_proj.use_kernel
+    drv.handshake(Hello())
+    assert drv.forward(forward([request([1, 2, 3], 0, range(8), 16)])).tokens.shape == (1,)
+
+
+def test_a_failed_build_says_why(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("Error building extension 'x': [1/2] c++ ...\nw8a8_kernel.cpp:1: error: no avx512")
+
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
+    monkeypatch.setattr(cpp_extension, "load", fail)
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert not cpu_kernels.load(show_progress=False)
+    assert "error: no avx512" in caplog.text
+
+
+# ---------------------------------------------------------------------------- decode attention
+
+ATTENTION_OPS = ["decode_attention", "decode_attention_portable"]
+
+
+def _attention_inputs(
+    h: int, hkv: int, d: int, valid: list[int], seed: int, spread: float = 1.0
+) -> tuple[torch.Tensor, ...]:
+    """q [B, H, D], a cache of 3 * max(valid) + 5 slots, and per request `valid[b]` keys at random
+    slots (repeats allowed) followed by padding; valid 0 = a request that attends to nothing."""
+    g = torch.Generator().manual_seed(seed)
+    b, width, slots = len(valid), max(max(valid), 1) + 3, 3 * max(valid) + 5
+    q = torch.randn(b, h, d, generator=g) * spread
+    k_cache, v_cache = (torch.randn(slots, hkv, d, generator=g) for _ in range(2))
+    key_index = torch.randint(0, slots, (b, width), generator=g)
+    mask = torch.arange(width)[None, :] < torch.tensor(valid)[:, None]
+    key_index[~mask] = 0  # padding reads slot 0, masked out
+    empty = ~mask.any(-1)
+    return q, k_cache, v_cache, key_index, mask | empty[:, None], empty  # empty rows opened (a safe mask)
+
+
+def _reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key_index: torch.Tensor,
+    mask: torch.Tensor,
+    empty: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    k, v = k_cache[key_index], v_cache[key_index]
+    return masked_attention(q[:, None], k, v, mask[:, None], scale, empty[:, None])[:, 0]
+
+
+@needs_kernel
+@pytest.mark.parametrize("op", ATTENTION_OPS)
+@pytest.mark.parametrize(
+    ("h", "hkv", "d"),
+    [(9, 3, 64), (4, 4, 16), (8, 2, 20), (2, 1, 256), (6, 3, 8), (4, 2, 128), (3, 1, 33)],
+)
+def test_decode_attention_equals_reference(kernel: None, op: str, h: int, hkv: int, d: int) -> None:
+    # 16 and 32 keys fill blocks of 16 exactly; 17 and 47 leave a remainder; 0 attends to nothing.
+    valid = [80, 1, 16, 0, 17, 32, 47, 3]
+    args = _attention_inputs(h, hkv, d, valid, seed=h * d)
+    got = getattr(torch.ops.wafer, op)(*args, d**-0.5)
+    want = _reference(*args, d**-0.5)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    assert torch.equal(got[3], torch.zeros(h, d))  # the empty request
+
+
+@needs_kernel
+@pytest.mark.parametrize("op", ATTENTION_OPS)
+def test_decode_attention_is_as_accurate_as_the_reference(kernel: None, op: str) -> None:
+    # Large scores: exp underflows for all but a few keys, and a score's float32 rounding moves its
+    # weight visibly; tiny scores: nearly uniform weights. Both against float64 attention: the
+    # kernel's error stays within that of the float32 reference.
+    for spread in (40.0, 1e-3):
+        args = _attention_inputs(6, 2, 64, [50, 9, 33], seed=7, spread=spread)
+        exact = _reference(*(a.double() if a.is_floating_point() else a for a in args), 0.125)
+        got = getattr(torch.ops.wafer, op)(*args, 0.125).double()
+        ref_err = (_reference(*args, 0.125).double() - exact).abs().max().item()
+        assert (got - exact).abs().max().item() <= 2 * ref_err + 1e-6, spread
+
+
+@needs_kernel
+@pytest.mark.parametrize("op", ATTENTION_OPS)
+def test_decode_attention_refuses_a_slot_outside_the_cache(kernel: None, op: str) -> None:
+    q, k_cache, v_cache, key_index, mask, empty = _attention_inputs(4, 2, 16, [5, 5], seed=1)
+    key_index[1, 2] = k_cache.shape[0]  # a key the request reads
+    with pytest.raises(RuntimeError, match=r"key_index: slot .* of request 1 outside the cache"):
+        getattr(torch.ops.wafer, op)(q, k_cache, v_cache, key_index, mask, empty, 0.25)
+    key_index[1, 2], key_index[1, 6] = 0, -(10**9)  # a padding key: never read, so accepted
+    torch.ops.wafer.decode_attention(q, k_cache, v_cache, key_index, mask, empty, 0.25)
+
+
+def _with_op_calls(fn: Callable[[], list[torch.Tensor]]) -> tuple[list[torch.Tensor], int]:
+    """What `fn` returns, and how many times it called `wafer::decode_attention`."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fn()
+    return out, sum(e.count for e in prof.key_averages() if e.key == "wafer::decode_attention")
+
+
+def _decode_logits(drv: TorchDriver, ps: int) -> list[torch.Tensor]:
+    """A prefill of three prompts, three decode steps of all three, one of the first alone."""
+    prompts = [random_tokens(n, 96, seed=n) for n in (11, 6, 19)]
+    pages = [list(range(8 * i, 8 * i + 8)) for i in range(3)]
+    out = [drv.logits(forward([request(p, 0, pages[i], ps, context_id=i) for i, p in enumerate(prompts)]))]
+    last = out[-1].argmax(-1).tolist()
+    for step, live in enumerate([range(3), range(3), range(3), range(1)]):
+        specs = [request([last[i]], len(prompts[i]) + step, pages[i], ps, context_id=i) for i in live]
+        out.append(drv.logits(forward(specs)))
+        last = out[-1].argmax(-1).tolist()
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("compile", [False, True])
+def test_driver_decode_attention_equals_torch_paths(kernel: None, tmp_path: Path, compile: bool) -> None:
+    # Sliding windows of 4 with 2 sinks on alternate layers: the keys a family reads.
+    ckpt = load_dir(write_tiny_gemma(tmp_path / "g", sliding_window=4, num_sink_tokens=2))
+    drivers = [
+        TorchDriver(ckpt, DriverOptions(page_size=4, num_pages=24, compile=compile, attention_kernel=on))
+        for on in (True, False)
+    ]
+    assert [d.attention_kernel for d in drivers] == [True, False]
+    for drv in drivers:
+        drv.handshake(Hello())
+    (got, calls_on), (want, calls_off) = (_with_op_calls(lambda d=d: _decode_logits(d, 4)) for d in drivers)
+    assert (calls_on, calls_off) == (4 * 4, 0)  # four decode passes of four layers; prefill is not decode
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+
+
+@needs_kernel
+def test_attention_kernel_is_float32_cpu_only(kernel: None, tmp_path: Path) -> None:
+    ckpt = load_dir(write_tiny_llama(tmp_path / "m"))
+    assert make_driver(ckpt).attention_kernel
+    assert not TorchDriver(ckpt, DriverOptions(dtype="bfloat16")).attention_kernel

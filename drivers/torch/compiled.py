@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from drivers.torch import cpu_kernels
 from drivers.torch.config import ModelConfig
 from drivers.torch.direct_graphs import DirectGraphs
 from drivers.torch.model import Block, Transformer, attention_inputs, attention_output, output_logits
@@ -64,9 +65,11 @@ class CompiledModel:
         self.model = model
         # Each model compiles its own copies (dynamo counts graphs per code object), called
         # without dynamo's per-call overhead once compiled (`direct_graphs.py`).
-        self._layer = DirectGraphs(_layer)
-        self._logits = DirectGraphs(output_logits)
-        self._stack = DirectGraphs(_stack)
+        # The graphs call the C++ ops: a rebuilt op must not meet graphs cached for the old one.
+        key = cpu_kernels.source_digest()
+        self._layer = DirectGraphs(_layer, key)
+        self._logits = DirectGraphs(output_logits, key)
+        self._stack = DirectGraphs(_stack, key)
 
     def __call__(
         self, tokens: torch.Tensor, positions: torch.Tensor, attention: PagedAttention, rows: torch.Tensor

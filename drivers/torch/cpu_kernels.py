@@ -1,8 +1,9 @@
 """wafer's C++ CPU kernels, built once per machine with torch's C++ extension loader (cached in
 torch's extension directory) and registered as opaque ops that torch.compile calls as they are:
 
-- `torch.ops.wafer.w8a8_linear` (`w8a8_kernel.cpp`): int8 weights times per-row int8 activations,
-  bit-identical to `DynamicInt8Linear`'s torch path;
+- `torch.ops.wafer.w8a8_linear` (`w8a8_kernel.cpp`; AVX512-VNNI): int8 weights in VNNI panels
+  (`quantize.pack_vnni`) times per-row int8 activations, bit-identical to `DynamicInt8Linear`'s
+  torch path;
 - `torch.ops.wafer.decode_attention` (`decode_attention.cpp`): float32 attention of one query per
   request over keys read in place from the paged cache (`paged_attention.attend_keys`).
 
@@ -25,7 +26,7 @@ _state: dict[str, bool] = {}  # "loaded": the outcome of the first `load()` of t
 
 
 def _fake_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, w_sum: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], w.shape[0])
+    return x.new_empty(x.shape[0], w_scale.shape[0])  # w: VNNI panels, one scale per output
 
 
 def _fake_attention(
@@ -47,9 +48,9 @@ def load(show_progress: bool = True) -> bool:
     return _state["loaded"]
 
 
-def loaded() -> bool:
-    """Whether an earlier `load()` of this process registered the kernels (builds nothing)."""
-    return _state.get("loaded", False)
+def source_digest() -> str:
+    """A hash of the kernels' sources: names the build, and keys compiled graphs that call them."""
+    return hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES)).hexdigest()[:12]
 
 
 def _build(show_progress: bool) -> bool:
@@ -59,7 +60,7 @@ def _build(show_progress: bool) -> bool:
         log.warning("C++ CPU kernels not built (ninja is not installed): the torch paths run instead")
         return False
     # The name carries the sources' hash: an edited kernel never loads a stale build.
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES)).hexdigest()[:12]
+    digest = source_digest()
     progress = Progress("building the C++ CPU kernels (cached for the next start)", 1, show_progress)
     progress.update(0)
     try:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch._inductor.compile_fx import compile_fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 log = logging.getLogger(__name__)
 # Inductor re-checks each input's sizes and strides in its Python wrapper (~600 checks for the
@@ -29,6 +30,21 @@ DYNAMO_OPTIONS = {"use_recursive_dict_tags_for_guards": True}
 _Inputs = Callable[[dict[str, Any]], list[Any]]
 
 
+class _CacheKey(CustomGraphPass):
+    """A graph pass that changes nothing and adds `key` to Inductor's cache key (Inductor hashes a
+    custom pass's `uuid`). Inductor's on-disk cache does not see what an opaque custom op's fake
+    implementation returns: a graph compiled against an older C++ op would be loaded as is."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __call__(self, graph: torch.fx.graph.Graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return self.key
+
+
 def _own_copy(fn: Callable[..., Any]) -> types.FunctionType:
     """`fn` with its own code object. Dynamo keeps graphs per code object and counts them against
     its recompile limit (8) there: without copies, a process compiling models of three dtypes or
@@ -39,8 +55,15 @@ def _own_copy(fn: Callable[..., Any]) -> types.FunctionType:
 
 
 class DirectGraphs:
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    """`cache_key`: what Inductor's on-disk cache cannot see but the compiled graphs depend on
+    (e.g. the sources of the custom ops they call); graphs compiled under another key are not
+    reused."""
+
+    def __init__(self, fn: Callable[..., Any], cache_key: str = "") -> None:
         self._fn = _own_copy(fn)
+        self._inductor_options: dict[str, Any] = dict(INDUCTOR_OPTIONS)
+        if cache_key:
+            self._inductor_options["post_grad_custom_post_pass"] = _CacheKey(cache_key)
         self._names = list(inspect.signature(fn).parameters)
         self._dynamo: Callable[..., Any] = torch.compile(self._fn, fullgraph=True, backend=self._backend)
         # The graph dynamo compiled in the last call, with how to read its inputs (None if they
@@ -51,7 +74,7 @@ class DirectGraphs:
         self.num_direct_calls = 0
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        compiled = compile_fx(gm, example_inputs, config_patches=INDUCTOR_OPTIONS)
+        compiled = compile_fx(gm, example_inputs, config_patches=self._inductor_options)
         names = [node._dynamo_source.name for node in gm.graph.find_nodes(op="placeholder")]
         (outputs,) = gm.graph.find_nodes(op="output")[0].args
         readable = all(name.startswith("L[") for name in names) and len(outputs) == 1

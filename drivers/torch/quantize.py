@@ -8,8 +8,8 @@ bytes, so 4x fewer bytes than fp32 is the main lever on the CPU. Two kinds:
   on the other rows of the batch) and multiplied with the exact integer matmul `torch._int_mm`;
   any activation dtype. Measured on the 2-core dev machine (1 thread, SmolLM2's shapes), it is
   1.6x faster than the weight-only kernel at 1 row and 2.3x at 8, at the cost of a larger error.
-  On the CPU its matmuls run the C++ kernel of `cpu_kernels.py` where it builds (bit-identical
-  results; at 1-8 rows it streams the weights about twice as fast as `_int_mm`)."""
+  On the CPU with AVX512-VNNI its matmuls run the C++ kernel of `cpu_kernels.py` where it builds
+  (bit-identical results; its weights are packed in VNNI panels, `pack_vnni`)."""
 
 from __future__ import annotations
 
@@ -51,8 +51,22 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def pack_vnni(q: torch.Tensor) -> torch.Tensor:
+    """int8 weights [out, in] in the C++ kernel's layout (see w8a8_kernel.cpp): panels of 64
+    outputs, [ceil(out / 64), ceil(in / 4) * 256], panel[p][k / 4][b][c][k % 4] = q[64 p + 16 b +
+    c][k], zero past the weight's rows and columns."""
+    n, k = q.shape
+    n_pad, k_pad = -(-n // 64) * 64, -(-k // 4) * 4
+    padded = torch.zeros(n_pad, k_pad, dtype=torch.int8, device=q.device)
+    padded[:n, :k] = q
+    panels = padded.view(n_pad // 64, 4, 16, k_pad // 4, 4).permute(0, 3, 1, 2, 4)
+    return panels.contiguous().view(n_pad // 64, k_pad * 64)
+
+
 class DynamicInt8Linear(nn.Module):
-    """y = (round(x / sx) @ Wq^T) * sx * sw, with sx = max|x_row| / 127 per input row."""
+    """y = (round(x / sx) @ Wq^T) * sx * sw, with sx = max|x_row| / 127 per input row.
+    `use_kernel`: the C++ kernel (AVX512-VNNI), whose `weight_int8` is `pack_vnni`'s layout;
+    else the torch path, whose `weight_int8` is [out, in]."""
 
     weight_int8: torch.Tensor
     scale: torch.Tensor
@@ -61,9 +75,10 @@ class DynamicInt8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, use_kernel: bool) -> None:
         super().__init__()
         q, scale = _per_row_int8(weight)
-        self.register_buffer("weight_int8", q)  # [out, in]: `_int_mm` reads its transpose fastest
+        # [out, in] for the torch path (`_int_mm` reads its transpose fastest), or VNNI panels.
+        self.register_buffer("weight_int8", pack_vnni(q) if use_kernel else q)
         self.register_buffer("scale", scale)
-        # The kernel's VNNI instruction needs each row's weight sum (see w8a8_kernel.cpp).
+        # The kernel's VNNI instruction needs each output's weight sum (see w8a8_kernel.cpp).
         self.register_buffer("weight_sum", q.sum(dim=1, dtype=torch.int32))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.use_kernel = use_kernel
@@ -92,7 +107,8 @@ _STEP_ORDER = ("qkv", "q_proj", "k_proj", "v_proj", "o_proj", "gate_up", "gate_p
 
 def quantize_int8(model: Transformer, kind: str = "int8", use_kernel: bool = True, pack: bool = True) -> Transformer:
     """Replace the model's linear layers (and output head) by int8 ones of `kind`, in place.
-    `use_kernel`: w8a8 on the CPU runs the C++ kernel where it builds (tests turn it off).
+    `use_kernel`: w8a8 on the CPU runs the C++ kernel where it builds and the CPU has
+    AVX512-VNNI (tests turn it off).
     `pack`: on the CPU, every int8 weight becomes a view into one buffer, in step order, on huge
     pages where the OS allows it (`weight_arena.py`)."""
     dtype = model.model.embed_tokens.weight.dtype
@@ -102,7 +118,7 @@ def quantize_int8(model: Transformer, kind: str = "int8", use_kernel: bool = Tru
         raise ConfigRejected(f"weights must be one of {WEIGHT_KINDS}, got {kind!r}", "weights")
 
     on_cpu = model.model.embed_tokens.weight.device.type == "cpu"
-    kernel = kind == "w8a8" and use_kernel and on_cpu and cpu_kernels.load()
+    kernel = kind == "w8a8" and use_kernel and on_cpu and cpu_kernels.load() and cpu_kernels.has_vnni()
 
     def convert(weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear | DynamicInt8Linear:
         return Int8Linear(weight, bias, dtype) if kind == "int8" else DynamicInt8Linear(weight, bias, kernel)

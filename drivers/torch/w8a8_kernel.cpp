@@ -1,9 +1,15 @@
 // wafer::w8a8_linear: y = (round(x / sx) @ Wq^T) * sx * sw with sx = max|x_row| / 127 per input
 // row, float32 in and out, the same arithmetic as `DynamicInt8Linear`'s torch path, so both give
-// bit-identical results. Decode batches (up to 32 rows) run an AVX512-VNNI kernel that streams
-// the int8 weights from memory once per call: 1-8 rows as matrix-vector products, more rows in
-// blocks of 8 over tiles of weights kept in cache. More rows, or a CPU without VNNI, run
-// `at::_int_mm`.
+// bit-identical results (the integer sums are exact in any order).
+//
+// The int8 weights come packed for AVX512-VNNI (`quantize.pack_vnni`): panels of 64 output
+// columns, each panel's bytes in k order, 4 input bytes of 16 columns per 64-byte vector:
+// panel[p][k / 4][b][c][k % 4] = W[64 p + 16 b + c][k]. One `vpdpbusd` then adds 4 products into
+// each of 16 column sums, so the sums come out as vectors of outputs (no horizontal reductions),
+// and a panel streams from memory in one linear pass. Up to 6 activation rows run against a
+// panel's 4 column vectors at once (24 accumulators); more rows run in balanced blocks of at most
+// 6 over the panel, held in cache, while the next panel is prefetched. Columns past the weight's
+// last row are zero weights, computed and never stored; input bytes past k are zero weights too.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -14,20 +20,16 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kMaxGemvRows = 8;
-// Software prefetch this far ahead of the weight row being read: one thread streams the weights
-// ~10-20% faster than with the hardware prefetcher alone (measured 0-32 KiB; 4-16 KiB were best).
-constexpr int64_t kPrefetchBytes = 8192;
-
-// Above kMaxGemvRows rows, up to kMaxTiledRows (decode batches) run the VNNI kernel over tiles
-// of kTileBytes of weights (see gemm_rows); more rows (prefill) run `at::_int_mm`, which made
-// a 64-token prefill ~10% faster than this kernel inside the model.
-constexpr int64_t kMaxTiledRows = 32;
-constexpr int64_t kTileBytes = 16384;
+constexpr int64_t kPanelCols = 64;        // 4 vectors of 16 output columns
+constexpr int64_t kQuadBytes = 256;       // one k-quad of a panel: 64 columns x 4 input bytes
+constexpr int64_t kMaxBlockRows = 6;      // 6 rows x 4 vectors: 24 of the 32 vector registers
+// Software prefetch this far ahead in the panel being streamed (one block of rows per panel).
+constexpr int64_t kPrefetchBytes = 4096;
 
 bool has_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
@@ -41,17 +43,6 @@ bool has_vnni() {
 
 // Quantizes one row exactly as the torch path does: sx = max|x| / 127 (at least 1e-12), then
 // round(x / sx) half to even, clamped to [-127, 127]. Returns sx.
-float quantize_row(const float* x, int64_t k, int8_t* out) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float sx = std::max(amax / 127.0f, 1e-12f);
-  for (int64_t i = 0; i < k; ++i) {
-    const float q = std::nearbyint(x[i] / sx);
-    out[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
-  }
-  return sx;
-}
-
 __attribute__((target("avx512f,avx512bw"))) float quantize_row_avx512(const float* x, int64_t k, int8_t* out) {
   __m512 vmax = _mm512_setzero_ps();
   int64_t i = 0;
@@ -69,161 +60,127 @@ __attribute__((target("avx512f,avx512bw"))) float quantize_row_avx512(const floa
   return sx;
 }
 
-// y[i, j] = acc[i, j] * (sx[i] * w_scale[j]) for rows m0.., the torch path's float arithmetic.
-void scale_rows(const int32_t* acc, const float* sx, const float* ws, int64_t m, int64_t n, float* y) {
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < n; ++j) y[i * n + j] = static_cast<float>(acc[i * n + j]) * (sx[i] * ws[j]);
-}
-
 // vpdpbusd multiplies unsigned by signed bytes: the activations go in as q + 128 and each output
-// row subtracts 128 * (sum of its weights), which keeps the integer result exact. Writes the
-// scaled float32 outputs of weight rows n0..n1 for all MR activation rows.
-template <int MR>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) void gemv_rows(
-    const uint8_t* xu, int64_t kp, const float* sx, const int8_t* w, int64_t k, const float* ws,
-    const int32_t* w_sum, int64_t n0, int64_t n1, float* y, int64_t n) {
-  const int64_t full = k / 64;
-  const __mmask64 tail = k % 64 ? (~0ULL >> (64 - k % 64)) : 0;
-  for (int64_t r = n0; r < n1; ++r) {
-    const int8_t* row = w + r * k;
-    __m512i sum[MR];
-    for (int m = 0; m < MR; ++m) sum[m] = _mm512_setzero_si512();
-    for (int64_t b = 0; b < full; ++b) {
-      _mm_prefetch(reinterpret_cast<const char*>(row + 64 * b + kPrefetchBytes), _MM_HINT_T0);
-      const __m512i wv = _mm512_loadu_si512(row + 64 * b);
-      for (int m = 0; m < MR; ++m)
-        sum[m] = _mm512_dpbusd_epi32(sum[m], _mm512_loadu_si512(xu + m * kp + 64 * b), wv);
+// column subtracts 128 * (sum of its weights), which keeps the integer result exact. Writes the
+// scaled float32 outputs of one panel (its first `cols` columns) for MR activation rows, using
+// NB of the panel's 4 column vectors (starting at `panel`). Prefetches, while it runs: `ahead`,
+// the panel's own bytes kPrefetchBytes ahead; and `next` (if set), `share` cache lines from
+// there, `per_quad` lines per k-quad.
+template <int MR, int NB>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void panel_rows(
+    const uint8_t* xu, int64_t kp, const float* sx, const int8_t* panel, int64_t kq, const int32_t* w_sum,
+    const float* ws, int64_t cols, float* y, int64_t ldy, bool ahead, const int8_t* next, int64_t share,
+    int64_t per_quad) {
+  __m512i acc[MR][NB];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < kq; ++g) {
+    const int8_t* wp = panel + g * kQuadBytes;
+    if (next != nullptr && g * per_quad < share) {
+      for (int64_t l = 0; l < per_quad; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(next + (g * per_quad + l) * 64), _MM_HINT_T0);
     }
-    if (tail) {
-      const __m512i wv = _mm512_maskz_loadu_epi8(tail, row + 64 * full);
-      for (int m = 0; m < MR; ++m)
-        sum[m] = _mm512_dpbusd_epi32(sum[m], _mm512_loadu_si512(xu + m * kp + 64 * full), wv);
+    if (ahead) {
+#pragma GCC unroll 4
+      for (int l = 0; l < 4; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetchBytes + 64 * l), _MM_HINT_T0);
     }
+    __m512i wv[NB];
+#pragma GCC unroll 4
+    for (int b = 0; b < NB; ++b) wv[b] = _mm512_loadu_si512(wp + 64 * b);
+#pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
-      const int32_t acc = _mm512_reduce_add_epi32(sum[m]) - 128 * w_sum[r];
-      y[m * n + r] = static_cast<float>(acc) * (sx[m] * ws[r]);
+      int32_t xv;
+      std::memcpy(&xv, xu + m * kp + 4 * g, 4);
+      const __m512i xb = _mm512_set1_epi32(xv);
+#pragma GCC unroll 4
+      for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbusd_epi32(acc[m][b], xb, wv[b]);
+    }
+  }
+  // Fully unrolled with constant indices, so that the accumulators stay in registers.
+#pragma GCC unroll 4
+  for (int b = 0; b < NB; ++b) {
+    const int64_t c0 = 16 * b;
+    if (c0 >= cols) continue;
+    const __mmask16 mk = cols - c0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (cols - c0)) - 1);
+    const __m512i corr = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mk, w_sum + c0), 7);
+    const __m512 wsc = _mm512_maskz_loadu_ps(mk, ws + c0);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m512 r = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][b], corr));
+      _mm512_mask_storeu_ps(y + m * ldy + c0, mk, _mm512_mul_ps(r, _mm512_mul_ps(_mm512_set1_ps(sx[m]), wsc)));
     }
   }
 }
 
-using GemvFn = void (*)(const uint8_t*, int64_t, const float*, const int8_t*, int64_t, const float*,
-                        const int32_t*, int64_t, int64_t, float*, int64_t);
+using PanelFn = void (*)(const uint8_t*, int64_t, const float*, const int8_t*, int64_t, const int32_t*,
+                         const float*, int64_t, float*, int64_t, bool, const int8_t*, int64_t, int64_t);
 
-GemvFn gemv_for(int64_t rows) {
-  static const GemvFn table[kMaxGemvRows] = {gemv_rows<1>, gemv_rows<2>, gemv_rows<3>, gemv_rows<4>,
-                                             gemv_rows<5>, gemv_rows<6>, gemv_rows<7>, gemv_rows<8>};
+// 1-6 rows use all 4 column vectors; 7 and 8 rows (not enough registers for 4 vectors) run the
+// panel as two halves of 2 vectors, all rows at once, so the panel still streams once.
+PanelFn panel_for(int64_t rows) {
+  static const PanelFn table[8] = {panel_rows<1, 4>, panel_rows<2, 4>, panel_rows<3, 4>, panel_rows<4, 4>,
+                                   panel_rows<5, 4>, panel_rows<6, 4>, panel_rows<7, 2>, panel_rows<8, 2>};
   return table[rows - 1];
 }
 
-// Sums each of 16 vectors of int32 into dword i of the result (i = the vector's index); integer
-// adds, so exact in any order. Three steps of in-lane unpacks, then two across the 128-bit lanes.
-__attribute__((target("avx512f,avx512bw"))) __m512i reduce16(const __m512i* v) {
-  __m512i a[8], b[4];
-  for (int i = 0; i < 8; ++i)
-    a[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)
-    b[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
-  const __m512i c0 = _mm512_add_epi32(_mm512_shuffle_i32x4(b[0], b[1], 0x88), _mm512_shuffle_i32x4(b[0], b[1], 0xdd));
-  const __m512i c1 = _mm512_add_epi32(_mm512_shuffle_i32x4(b[2], b[3], 0x88), _mm512_shuffle_i32x4(b[2], b[3], 0xdd));
-  return _mm512_add_epi32(_mm512_shuffle_i32x4(c0, c1, 0x88), _mm512_shuffle_i32x4(c0, c1, 0xdd));
-}
-
-// Eight activation rows by two weight rows at a time (weight rows n0..n1, n1 - n0 even): 16
-// accumulators summed by one `reduce16` instead of 16 horizontal sums. Same outputs as gemv_rows<8>.
-// `prefetch_rows` > 0: also prefetches the weights that many rows ahead (the next tile), so that
-// the next tile's first block does not wait for memory.
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) void gemm_8x2(
-    const uint8_t* xu, int64_t kp, const float* sx, const int8_t* w, int64_t k, const float* ws,
-    const int32_t* w_sum, int64_t n0, int64_t n1, float* y, int64_t n, int64_t prefetch_rows) {
-  const int64_t prefetch_bytes = prefetch_rows * k;
-  const int64_t full = k / 64;
-  const __mmask64 tail = k % 64 ? (~0ULL >> (64 - k % 64)) : 0;
-  const __m512 sxv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(sx))));
-  const __m512i lo8 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  for (int64_t r = n0; r < n1; r += 2) {
-    const int8_t* row0 = w + r * k;
-    const int8_t* row1 = row0 + k;
-    __m512i sum[16];  // sum[j * 8 + m]: weight row r + j, activation row m
-    for (int i = 0; i < 16; ++i) sum[i] = _mm512_setzero_si512();
-    for (int64_t b = 0; b <= full; ++b) {
-      if (b == full && !tail) break;
-      const __mmask64 mask = b == full ? tail : ~0ULL;
-      if (prefetch_bytes) {
-        _mm_prefetch(reinterpret_cast<const char*>(row0 + 64 * b + prefetch_bytes), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(row1 + 64 * b + prefetch_bytes), _MM_HINT_T0);
-      }
-      const __m512i w0 = _mm512_maskz_loadu_epi8(mask, row0 + 64 * b);
-      const __m512i w1 = _mm512_maskz_loadu_epi8(mask, row1 + 64 * b);
-      for (int m = 0; m < 8; ++m) {
-        const __m512i xv = _mm512_loadu_si512(xu + m * kp + 64 * b);
-        sum[m] = _mm512_dpbusd_epi32(sum[m], xv, w0);
-        sum[8 + m] = _mm512_dpbusd_epi32(sum[8 + m], xv, w1);
-      }
+// All m rows against panel p (output columns 64 p ..).
+void run_panel(const uint8_t* xu, int64_t kp, const float* sx, int64_t m, const int8_t* w, int64_t kq,
+               int64_t panels, int64_t p, const int32_t* w_sum, const float* ws, float* y, int64_t n) {
+  const int64_t c0 = p * kPanelCols, cols = std::min(kPanelCols, n - c0);
+  const int8_t* panel = w + p * kq * kQuadBytes;
+  if (m == 7 || m == 8) {
+    for (int64_t half = 0; half < 2 && 32 * half < cols; ++half) {
+      const int64_t h0 = 32 * half;
+      panel_for(m)(xu, kp, sx, panel + 128 * half, kq, w_sum + c0 + h0, ws + c0 + h0, std::min<int64_t>(32, cols - h0),
+                   y + c0 + h0, n, true, nullptr, 0, 0);
     }
-    const __m512i wsum = _mm512_permutexvar_epi32(lo8, _mm512_castsi128_si512(_mm_set_epi32(0, 0, w_sum[r + 1], w_sum[r])));
-    const __m512 wsv = _mm512_permutexvar_ps(lo8, _mm512_castps128_ps512(_mm_set_ps(0, 0, ws[r + 1], ws[r])));
-    const __m512i acc = _mm512_sub_epi32(reduce16(sum), _mm512_mullo_epi32(wsum, _mm512_set1_epi32(128)));
-    alignas(64) float out[16];
-    _mm512_store_ps(out, _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sxv, wsv)));
-    for (int m = 0; m < 8; ++m) {
-      y[m * n + r] = out[m];
-      y[m * n + r + 1] = out[8 + m];
-    }
+    return;
   }
-}
-
-// Any number of rows: for each tile of weight rows small enough to stay in the L1/L2 cache, every
-// block of up to kMaxGemvRows activation rows in turn, so the weights stream from memory once per
-// call instead of once per block. Each output is the same integer sum and scaling as in one block.
-void gemm_rows(const uint8_t* xu, int64_t kp, const float* sx, const int8_t* w, int64_t k, const float* ws,
-               const int32_t* w_sum, int64_t m, int64_t n0, int64_t n1, float* y, int64_t n) {
-  if (m <= kMaxGemvRows) return gemv_for(m)(xu, kp, sx, w, k, ws, w_sum, n0, n1, y, n);
-  const int64_t tile = std::max<int64_t>(1, kTileBytes / k);
-  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
-    const int64_t t1 = std::min(n1, t0 + tile);
-    for (int64_t i = 0; i < m; i += kMaxGemvRows) {
-      const int64_t rows = std::min(kMaxGemvRows, m - i);
-      const int64_t even = rows == kMaxGemvRows ? t1 - (t1 - t0) % 2 : t0;
-      const int64_t ahead = i == 0 ? tile : 0;  // the first block fetches the next tile
-      if (even > t0) gemm_8x2(xu + i * kp, kp, sx + i, w, k, ws, w_sum, t0, even, y + i * n, n, ahead);
-      if (t1 > even) gemv_for(rows)(xu + i * kp, kp, sx + i, w, k, ws, w_sum, even, t1, y + i * n, n);
-    }
+  // Balanced blocks of at most kMaxBlockRows rows. With more than one block the panel stays in
+  // cache after the first, and every block prefetches its share of the next panel.
+  const int64_t blocks = (m + kMaxBlockRows - 1) / kMaxBlockRows;
+  const int64_t share = (kq * 4 + blocks - 1) / blocks, per_quad = (share + kq - 1) / kq;
+  const int8_t* next = blocks > 1 && p + 1 < panels ? panel + kq * kQuadBytes : nullptr;
+  for (int64_t i = 0, b = 0; i < m; ++b) {
+    const int64_t rows = (m - i + blocks - b - 1) / (blocks - b);
+    panel_for(rows)(xu + i * kp, kp, sx + i, panel, kq, w_sum + c0, ws + c0, cols, y + i * n + c0, n, blocks == 1,
+                    next != nullptr ? next + b * share * 64 : nullptr, share, per_quad);
+    i += rows;
   }
 }
 
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
                        const at::Tensor& w_sum) {
+  TORCH_CHECK(has_vnni(), "w8a8_linear needs AVX512-VNNI (check w8a8_has_vnni first)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [rows, in]");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(), "w must be int8 [out, in]");
-  TORCH_CHECK(w.size(1) == x.size(1), "x and w disagree on the input size");
-  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() == w.size(0),
-              "w_scale: one float32 per weight row");
-  TORCH_CHECK(w_sum.scalar_type() == at::kInt && w_sum.is_contiguous() && w_sum.numel() == w.size(0),
-              "w_sum: one int32 per weight row");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(),
+              "w must be int8 VNNI panels [ceil(out / 64), ceil(in / 4) * 256]");
+  const int64_t m = x.size(0), k = x.size(1), n = w_scale.numel();
+  const int64_t kp = (k + 3) / 4 * 4, kq = kp / 4, panels = w.size(0);
+  TORCH_CHECK(w.size(1) == kq * kQuadBytes, "w's panels are not packed for x's input size ", k);
+  TORCH_CHECK(panels == (n + kPanelCols - 1) / kPanelCols, "w's panels do not hold w_scale's ", n, " outputs");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous(), "w_scale: one float32 per output");
+  TORCH_CHECK(w_sum.scalar_type() == at::kInt && w_sum.is_contiguous() && w_sum.numel() == n,
+              "w_sum: one int32 per output");
   const at::Tensor xc = x.contiguous();
-  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
   at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0) return y;
-  const bool vnni = m <= kMaxTiledRows && has_vnni();
-  const int64_t kp = vnni ? (k + 63) / 64 * 64 : k;  // rows padded so that every 64-byte load is in bounds
+  if (m == 0 || n == 0) return y;
   std::vector<int8_t> xq(static_cast<size_t>(m * kp), 0);
   std::vector<float> sx(static_cast<size_t>(m));
   const float* xp = xc.data_ptr<float>();
-  const auto quantize = has_avx512() ? quantize_row_avx512 : quantize_row;
-  for (int64_t i = 0; i < m; ++i) sx[i] = quantize(xp + i * k, k, xq.data() + i * kp);
+  for (int64_t i = 0; i < m; ++i) sx[i] = quantize_row_avx512(xp + i * k, k, xq.data() + i * kp);
+  for (int8_t& v : xq) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80);  // q + 128 as uint8
+  const auto* xu = reinterpret_cast<const uint8_t*>(xq.data());
+  const int8_t* wp = w.data_ptr<int8_t>();
   const float* ws = w_scale.data_ptr<float>();
+  const int32_t* sp = w_sum.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
-  if (vnni) {
-    for (int8_t& v : xq) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80);  // q + 128 as uint8
-    const auto* xu = reinterpret_cast<const uint8_t*>(xq.data());
-    const int8_t* wp = w.data_ptr<int8_t>();
-    const int32_t* sp = w_sum.data_ptr<int32_t>();
-    at::parallel_for(0, n, 256, [&](int64_t n0, int64_t n1) { gemm_rows(xu, kp, sx.data(), wp, k, ws, sp, m, n0, n1, yp, n); });
-  } else {
-    const at::Tensor xq_t = at::from_blob(xq.data(), {m, k}, at::TensorOptions().dtype(at::kChar));
-    const at::Tensor acc = at::_int_mm(xq_t, w.t());
-    scale_rows(acc.data_ptr<int32_t>(), sx.data(), ws, m, n, yp);
-  }
+  at::parallel_for(0, panels, 4, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) run_panel(xu, kp, sx.data(), m, wp, kq, panels, p, sp, ws, yp, n);
+  });
   return y;
 }
 

@@ -1,9 +1,10 @@
 """The C++ CPU kernels (`cpu_kernels.py`).
 
-w8a8 (`w8a8_kernel.cpp`) gives bit-identical results to the torch path at every row count (its
-matrix-vector path at 1-8 rows, blocks of 8 rows over weight tiles up to 32, `_int_mm` inside
-above), on odd shapes, so a row's result never depends on its batch; torch.compile calls it as an
-opaque op; where it cannot be built, w8a8 says why and keeps the torch path.
+w8a8 (`w8a8_kernel.cpp`) reads its weights where `pack_vnni` puts them and gives bit-identical
+results to the torch path at every row count (one block of rows, half panels, balanced blocks),
+on odd shapes, so a row's result never depends on its batch; it refuses weights packed for another
+shape; torch.compile calls it as an opaque op; where it cannot be built, w8a8 says why and keeps
+the torch path.
 
 Decode attention (`decode_attention.cpp`, vectorized and portable) equals the reference attention
 to float32 rounding at every head size and grouping, over keys with holes, repeats and padding,
@@ -25,8 +26,9 @@ from torch.utils import cpp_extension
 from bridge_schema.messages import Hello
 from drivers.torch import cpu_kernels
 from drivers.torch.attention_ref import masked_attention
+from drivers.torch.direct_graphs import DirectGraphs
 from drivers.torch.driver import DriverOptions, TorchDriver
-from drivers.torch.quantize import DynamicInt8Linear, w8a8_reference
+from drivers.torch.quantize import DynamicInt8Linear, pack_vnni, w8a8_reference
 from tests.drivers.torch.helpers import (
     forward,
     load_dir,
@@ -51,33 +53,59 @@ def _linear(n: int, k: int, seed: int, rows: int = 9) -> tuple[torch.Tensor, Dyn
     return torch.randn(rows, k, generator=g) * 3, DynamicInt8Linear(torch.randn(n, k, generator=g), None, True)
 
 
+def _torch_path(lin: DynamicInt8Linear, k: int) -> DynamicInt8Linear:
+    """The same weights on the torch path ([out, in], unpacked from the kernel's panels)."""
+    n = lin.scale.numel()
+    panels = (
+        lin.weight_int8.view(-1, -(-k // 4), 4, 16, 4)
+        .permute(0, 2, 3, 1, 4)
+        .reshape(-1, lin.weight_int8.shape[1] // 64)
+    )
+    plain = DynamicInt8Linear(torch.zeros(n, k), None, False)
+    plain.weight_int8, plain.scale, plain.weight_sum = panels[:n, :k].contiguous(), lin.scale, lin.weight_sum
+    return plain
+
+
+def test_vnni_panels_hold_each_weight_where_the_kernel_reads_it() -> None:
+    q = torch.randint(-127, 128, (70, 10), dtype=torch.int8)
+    packed = pack_vnni(q)
+    assert packed.shape == (2, 3 * 256)  # 70 outputs -> 2 panels of 64; 10 inputs -> 3 quads
+    flat = packed.view(-1)
+    for out in (0, 15, 16, 63, 64, 69):
+        for k in (0, 3, 4, 9):
+            p, b, c = out // 64, out % 64 // 16, out % 16
+            assert flat[p * 768 + k // 4 * 256 + b * 64 + c * 4 + k % 4] == q[out, k]
+    assert int(packed.abs().sum()) == int(q.abs().sum())  # everything else is zero padding
+
+
 @needs_kernel
-@pytest.mark.parametrize(("n", "k"), [(1, 64), (7, 100), (33, 130), (96, 576), (40, 1536)])
+@pytest.mark.parametrize(("n", "k"), [(1, 64), (7, 99), (33, 130), (64, 577), (96, 576), (130, 1536)])
 def test_kernel_equals_torch_path_exactly(kernel: None, n: int, k: int) -> None:
-    x, lin = _linear(n, k, seed=n + k)
+    # n: one partial panel, a panel exactly, a full one and a partial; k: not multiples of 4 or 64.
+    x, lin = _linear(n, k, seed=n + k, rows=65)
+    plain = _torch_path(lin, k)
+    torch.testing.assert_close(lin.scale, plain.scale)
     x[2] = 0.0  # an all-zero row: its scale is clamped, its output 0
     x[3, : k // 2] *= 1000  # one large half: most of the row rounds to 0
-    for m in (1, 2, 3, 5, 8, 9):  # 1-8: the matrix-vector path; 9: `_int_mm` inside the kernel
-        got = torch.ops.wafer.w8a8_linear(x[:m], lin.weight_int8, lin.scale, lin.weight_sum)
-        assert torch.equal(got, w8a8_reference(x[:m], lin.weight_int8, lin.scale)), (n, k, m)
+    # 1-6 rows: one block; 7, 8: two half panels; more: balanced blocks of at most 6, prefetching.
+    for m in (*range(1, 10), 12, 13, 16, 31, 32, 33, 64, 65):
+        assert torch.equal(lin(x[:m]), plain(x[:m])), (n, k, m)
+        assert torch.equal(plain(x[:m]), w8a8_reference(x[:m], plain.weight_int8, plain.scale))
 
 
 @needs_kernel
-@pytest.mark.parametrize(("n", "k"), [(7, 100), (61, 130), (96, 576), (45, 1536)])
-def test_kernel_in_row_blocks_equals_torch_path_exactly(kernel: None, n: int, k: int) -> None:
-    # n spans several weight tiles (odd n: the tiles' last row runs alone) at k = 576 and 1536.
-    x, lin = _linear(n, k, seed=n * k, rows=65)
-    x[10] = 0.0
-    x[17, : k // 2] *= 1000
-    for m in (9, 16, 31, 32, 33, 64, 65):  # 9-32: blocks of 8 rows and a remainder; 33-65: `_int_mm`
-        got = torch.ops.wafer.w8a8_linear(x[:m], lin.weight_int8, lin.scale, lin.weight_sum)
-        assert torch.equal(got, w8a8_reference(x[:m], lin.weight_int8, lin.scale)), (n, k, m)
+def test_kernel_refuses_weights_packed_for_another_shape(kernel: None) -> None:
+    x, lin = _linear(70, 96, seed=3)
+    with pytest.raises(RuntimeError, match="not packed for x's input size 100"):
+        torch.ops.wafer.w8a8_linear(torch.zeros(2, 100), lin.weight_int8, lin.scale, lin.weight_sum)
+    with pytest.raises(RuntimeError, match="do not hold w_scale's 130 outputs"):
+        torch.ops.wafer.w8a8_linear(x, lin.weight_int8, torch.ones(130), torch.zeros(130, dtype=torch.int32))
 
 
 @needs_kernel
 def test_kernel_row_does_not_depend_on_its_batch(kernel: None) -> None:
     x, lin = _linear(200, 576, seed=1)
-    big = torch.cat([x, x * 50, -x])  # 27 rows: blocks of 8 over weight tiles
+    big = torch.cat([x, x * 50, -x])  # 27 rows: 5 blocks of 6 and 5 rows
     alone = lin(x[:1])
     for batch in (x[:4], x, big, torch.cat([big, big[:5]]), torch.cat([big, big, -big])):  # 32, 81 rows
         y = lin(batch)
@@ -87,9 +115,16 @@ def test_kernel_row_does_not_depend_on_its_batch(kernel: None) -> None:
 
 @needs_kernel
 def test_compiled_call_is_opaque_and_equal(kernel: None) -> None:
+    # As the compiled model calls it: keyed by the kernels' sources in Inductor's cache.
     x, lin = _linear(48, 96, seed=2)
-    compiled = torch.compile(lin, fullgraph=True)
-    assert torch.equal(compiled(x[:1]), lin(x[:1]))
+    compiled = DirectGraphs(_apply, cpu_kernels.source_digest())
+    for _ in range(2):  # compiles, then calls the graph directly
+        assert torch.equal(compiled(lin, x[:3]), lin(x[:3]))
+    assert compiled.num_direct_calls == 1
+
+
+def _apply(lin: DynamicInt8Linear, x: torch.Tensor) -> torch.Tensor:
+    return lin(x)
 
 
 @needs_kernel

@@ -5,6 +5,8 @@ recursive dict tags); where dynamo's cache entries cannot be read, calls go thro
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 import torch
 from torch import nn
@@ -78,3 +80,26 @@ def test_a_rebound_module_attribute_fails_the_guards() -> None:
     assert graphs.num_direct_calls == 1
     assert torch.equal(graphs(module, x), x * 2)
     assert graphs.num_direct_calls == 2
+
+
+def _plus_one(x: torch.Tensor) -> torch.Tensor:
+    return x * 2 + 1
+
+
+def test_graphs_compiled_under_another_cache_key_are_not_reused() -> None:
+    # Inductor's on-disk cache cannot see a custom op's fake implementation: a graph compiled
+    # against an older C++ op must not be loaded for a new one, so its key goes into the cache's.
+    key = f"test-{uuid.uuid4()}"  # never seen by the on-disk cache
+    outcomes = []
+    for k in (key, key, key + "-rebuilt"):
+        before = _cache_counts()
+        assert torch.equal(DirectGraphs(_plus_one, k)(torch.ones(3)), torch.full((3,), 3.0))
+        after = _cache_counts()
+        outcomes.append("hit" if after[0] > before[0] else "miss" if after[1] > before[1] else "none")
+    assert outcomes == ["miss", "hit", "miss"]
+
+
+def _cache_counts() -> tuple[int, int]:
+    """Inductor's FX graph cache hits and misses so far (dynamo may replace its counters)."""
+    counters = torch._dynamo.utils.counters["inductor"]
+    return counters["fxgraph_cache_hit"], counters["fxgraph_cache_miss"]

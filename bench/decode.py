@@ -4,11 +4,12 @@ with the memory-bandwidth bound (weight bytes read per decode step / measured re
 
     python bench/decode.py [--threads N] [--dtype float32,float32+w8a8+compile] [--batches 1,8,32] [--json PATH]
 
-Each --dtype entry is DTYPE[+WEIGHTS][+compile][+torchmm][+torchattn][+unpacked]: the activation
-dtype, the weight kind (int8, w8a8; dense when absent), whether the driver runs its compiled path,
-(torchmm) whether w8a8 keeps the torch matmul path instead of the C++ kernel, (torchattn) whether
-float32 decode keeps the torch attention path instead of the C++ kernel, and (unpacked) whether
-int8 weights stay one tensor each instead of one buffer on huge pages. transformers runs once per
+Each --dtype entry is DTYPE[+WEIGHTS][+compile][+torchmm][+torchattn][+unpacked][+kv16]: the
+activation dtype, the weight kind (int8, w8a8; dense when absent), whether the driver runs its
+compiled path, (torchmm) whether w8a8 keeps the torch matmul path instead of the C++ kernel,
+(torchattn) whether float32 decode keeps the torch attention path instead of the C++ kernel,
+(unpacked) whether int8 weights stay one tensor each instead of one buffer on huge pages, and
+(kv16) a float16 KV cache. transformers runs once per
 activation dtype and batch, on the same prompts as every entry. Prints a table and writes JSON.
 Not part of the test run.
 """
@@ -161,7 +162,7 @@ def best_of(repeats: int, run: Callable[[], tuple[float, float]]) -> tuple[float
 def make_driver(ckpt: Checkpoint, spec: str, device: str, num_pages: int) -> TorchDriver:
     """A driver for one --dtype entry, after its handshake."""
     act, *flags = spec.split("+")
-    weights = next((f for f in flags if f not in ("compile", "torchmm", "torchattn", "unpacked")), "dense")
+    weights = next((f for f in flags if f not in ("compile", "torchmm", "torchattn", "unpacked", "kv16")), "dense")
     options = DriverOptions(
         device=device,
         dtype=act,
@@ -170,6 +171,7 @@ def make_driver(ckpt: Checkpoint, spec: str, device: str, num_pages: int) -> Tor
         compile="compile" in flags,
         w8a8_kernel="torchmm" not in flags,
         attention_kernel="torchattn" not in flags,
+        kv_dtype="float16" if "kv16" in flags else "",
         pack_weights="unpacked" not in flags,
     )
     drv = TorchDriver(ckpt, options)

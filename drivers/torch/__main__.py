@@ -22,6 +22,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPES))
     parser.add_argument(
+        "--kv-dtype",
+        default="",
+        choices=["", *sorted(DTYPES)],
+        help="the KV cache's dtype (default: --dtype); float16 on a float32 model halves the bytes attention reads",
+    )
+    parser.add_argument(
         "--weights",
         default="dense",
         choices=WEIGHT_KINDS,
@@ -47,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     options = DriverOptions(
         device=args.device,
         dtype=args.dtype,
+        kv_dtype=args.kv_dtype,
         page_size=args.page_size,
         num_pages=args.num_pages,
         max_requests_per_pass=args.max_requests_per_pass,

@@ -5,7 +5,9 @@ torch's extension directory) and registered as opaque ops that torch.compile cal
   (`quantize.pack_vnni`) times per-row int8 activations, bit-identical to `DynamicInt8Linear`'s
   torch path;
 - `torch.ops.wafer.decode_attention` (`decode_attention.cpp`): float32 attention of one query per
-  request over keys read in place from the paged cache (`paged_attention.attend_keys`).
+  request over keys read in place from the paged cache (`paged_attention.attend_keys`);
+- `torch.ops.wafer.argmax_rows` (`argmax.cpp`): each row's first maximum, for greedy sampling
+  (`argmax_rows` below).
 
 Where they cannot be built, `load()` says why and returns False; callers then keep the plain
 torch paths, which give the same results (to float32 rounding, for attention)."""
@@ -21,7 +23,7 @@ import torch
 from drivers.torch.progress import Progress
 
 log = logging.getLogger(__name__)
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("w8a8_kernel.cpp", "decode_attention.cpp"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("w8a8_kernel.cpp", "decode_attention.cpp", "argmax.cpp"))
 _state: dict[str, bool] = {}  # "loaded": the outcome of the first `load()` of this process
 
 
@@ -39,6 +41,10 @@ def _fake_attention(
     scale: float,
 ) -> torch.Tensor:
     return q.new_empty(q.shape)
+
+
+def _fake_argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], dtype=torch.int64)
 
 
 def load(show_progress: bool = True) -> bool:
@@ -74,9 +80,19 @@ def _build(show_progress: bool) -> bool:
     progress.update(1)
     torch.library.register_fake("wafer::w8a8_linear")(_fake_linear)
     torch.library.register_fake("wafer::decode_attention")(_fake_attention)
+    torch.library.register_fake("wafer::argmax_rows")(_fake_argmax)
     return True
 
 
 def has_vnni() -> bool:
     """Whether the loaded w8a8 kernel runs its AVX512-VNNI matrix-vector path (else `_int_mm` inside)."""
     return bool(torch.ops.wafer.w8a8_has_vnni())
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.max(-1).indices` of a 2-D tensor (the first maximum; the first NaN of a row that has
+    one): the C++ op for float32 CPU rows once `load()` registered it (this never builds)."""
+    if _state.get("loaded") and x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[1] > 0:
+        out: torch.Tensor = torch.ops.wafer.argmax_rows(x)
+        return out
+    return x.max(-1).indices

@@ -4,6 +4,9 @@
 // gathered into a padded copy first; a request whose row is `empty` attends to nothing and gets
 // zeros. The G = H / Hkv query heads of a KV head share each key and value row as it is read.
 //
+// The cache may hold float32, float16 or bfloat16 (`--kv-dtype`); rows are widened to float32 as
+// they are read, and all arithmetic is float32.
+//
 // Softmax as the reference computes it: scores times scale, minus their maximum, exp, divided by
 // the sum. exp is a degree-7 polynomial after range reduction (relative error ~1e-7); results
 // match `masked_attention` to float32 rounding, not bit for bit.
@@ -23,19 +26,20 @@
 namespace {
 
 bool has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
   return yes;
 }
 
-// One (request, KV head) of work: its query rows q[G][D] (contiguous heads), its valid key slots,
-// the cache rows at `base + slot * stride`, and where its G output rows go.
+// One (request, KV head) of work: its query rows q[G][D] (contiguous heads), its valid keys' cache
+// rows (of element type T) at `k + rows[j]` and `v + rows[j]`, and where its G output rows go.
+template <typename T>
 struct Task {
   const float* q;
-  const int64_t* slots;
+  const int64_t* rows;
   int64_t n;
-  const float* k;
-  const float* v;
-  int64_t stride;
+  const T* k;
+  const T* v;
   int64_t heads;  // G
   int64_t dim;    // D
   float scale;
@@ -43,15 +47,16 @@ struct Task {
   float* out;     // [G][D]
 };
 
-void attend_scalar(const Task& t) {
+template <typename T>
+void attend_scalar(const Task<T>& t) {
   for (int64_t i = 0; i < t.heads; ++i) {
     const float* q = t.q + i * t.dim;
     float* s = t.scores + i * t.n;
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < t.n; ++j) {
-      const float* k = t.k + t.slots[j] * t.stride;
+      const T* k = t.k + t.rows[j];
       float dot = 0.0f;
-      for (int64_t d = 0; d < t.dim; ++d) dot += q[d] * k[d];
+      for (int64_t d = 0; d < t.dim; ++d) dot += q[d] * static_cast<float>(k[d]);
       s[j] = dot * t.scale;
       top = std::max(top, s[j]);
     }
@@ -60,8 +65,8 @@ void attend_scalar(const Task& t) {
     float* o = t.out + i * t.dim;
     std::fill(o, o + t.dim, 0.0f);
     for (int64_t j = 0; j < t.n; ++j) {
-      const float* v = t.v + t.slots[j] * t.stride;
-      for (int64_t d = 0; d < t.dim; ++d) o[d] += s[j] * v[d];
+      const T* v = t.v + t.rows[j];
+      for (int64_t d = 0; d < t.dim; ++d) o[d] += s[j] * static_cast<float>(v[d]);
     }
     for (int64_t d = 0; d < t.dim; ++d) o[d] /= sum;
   }
@@ -113,58 +118,100 @@ __attribute__((target("avx512f,avx512dq"))) inline __m512 reduce16(__m512* v) {
 // vector meant for lane L at kReduceOrder[L], so the lanes come out in order.
 constexpr int kReduceOrder[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
 
-template <int NC>
-__attribute__((target("avx512f,avx512dq"))) void attend_avx512(const Task& t) {
-  const __mmask16 tail = (t.dim % 16) ? static_cast<__mmask16>((1u << (t.dim % 16)) - 1) : 0xFFFF;
-#define load(p, c) ((c) == NC - 1 ? _mm512_maskz_loadu_ps(tail, (p) + 16 * (c)) : _mm512_loadu_ps((p) + 16 * (c)))
-  // Scores: 16 keys at a time per head, their dot products reduced together.
+// 16 elements of a cache row from `p`, as float32 (`mask`: which are read; the rest are 0).
+__attribute__((target("avx512f,avx512dq,avx512bw,avx512vl"))) inline __m512 load16(const float* p, __mmask16 mask) {
+  return mask == 0xFFFF ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(mask, p);
+}
+
+__attribute__((target("avx512f,avx512dq,avx512bw,avx512vl"))) inline __m512 load16(const at::Half* p, __mmask16 mask) {
+  const __m256i h = mask == 0xFFFF ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                   : _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_cvtph_ps(h);
+}
+
+__attribute__((target("avx512f,avx512dq,avx512bw,avx512vl"))) inline __m512 load16(const at::BFloat16* p,
+                                                                                   __mmask16 mask) {
+  // bfloat16 is the high half of a float32.
+  const __m256i h = mask == 0xFFFF ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                   : _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// NC vectors of 16 per head row; `Tail`: the last is partial (D not a multiple of 16).
+template <int NC, bool Tail, typename T>
+__attribute__((target("avx512f,avx512dq,avx512bw,avx512vl"))) void attend_avx512(const Task<T>& t) {
+  // Locals, so that the compiler keeps them in registers (stores through `t.scores` and `t.out`
+  // could alias the task's fields otherwise).
+  const int64_t n = t.n, dim = t.dim;
+  const int64_t* rows = t.rows;
+  const T* kc = t.k;
+  const T* vc = t.v;
+  const __mmask16 tail = (dim % 16) ? static_cast<__mmask16>((1u << (dim % 16)) - 1) : 0xFFFF;
+#define load(p, c) load16((p) + 16 * (c), Tail && (c) == NC - 1 ? tail : static_cast<__mmask16>(0xFFFF))
   for (int64_t i = 0; i < t.heads; ++i) {
     __m512 q[NC];
-    for (int c = 0; c < NC; ++c) q[c] = _mm512_mul_ps(load(t.q + i * t.dim, c), _mm512_set1_ps(t.scale));
-    float* s = t.scores + i * t.n;
+#pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) q[c] = _mm512_mul_ps(load(t.q + i * dim, c), _mm512_set1_ps(t.scale));
+    float* s = t.scores + i * n;
+    // Scores: 16 keys at a time, their dot products reduced together.
     int64_t j = 0;
-    for (; j + 16 <= t.n; j += 16) {
+    for (; j + 16 <= n; j += 16) {
       __m512 acc[16];
+#pragma GCC unroll 16
       for (int u = 0; u < 16; ++u) {
-        const float* k = t.k + t.slots[j + u] * t.stride;
+        const T* k = kc + rows[j + u];
         __m512 a = _mm512_mul_ps(q[0], load(k, 0));
+#pragma GCC unroll 16
         for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(q[c], load(k, c), a);
         acc[kReduceOrder[u]] = a;
       }
       _mm512_storeu_ps(s + j, reduce16(acc));
     }
-    for (; j < t.n; ++j) {
-      const float* k = t.k + t.slots[j] * t.stride;
+    for (; j < n; ++j) {
+      const T* k = kc + rows[j];
       __m512 a = _mm512_mul_ps(q[0], load(k, 0));
+#pragma GCC unroll 16
       for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(q[c], load(k, c), a);
       s[j] = _mm512_reduce_add_ps(a);
     }
     // Softmax over the n scores.
-    const float neg_inf = -std::numeric_limits<float>::infinity();
-    __m512 vmax = _mm512_set1_ps(neg_inf);
-    for (j = 0; j + 16 <= t.n; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j));
+    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (j = 0; j + 16 <= n; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j));
     float top = _mm512_reduce_max_ps(vmax);
-    for (int64_t r = j; r < t.n; ++r) top = std::max(top, s[r]);
+    for (int64_t r = j; r < n; ++r) top = std::max(top, s[r]);
     const __m512 vtop = _mm512_set1_ps(top);
     __m512 vsum = _mm512_setzero_ps();
-    for (j = 0; j < t.n; j += 16) {
-      const __mmask16 m = t.n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (t.n - j)) - 1);
+    for (j = 0; j < n; j += 16) {
+      const __mmask16 m = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
       const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vtop));
       _mm512_mask_storeu_ps(s + j, m, e);
       vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
     }
     const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
-    // Output: the weighted sum of the value rows.
-    __m512 o[NC];
-    for (int c = 0; c < NC; ++c) o[c] = _mm512_setzero_ps();
-    for (j = 0; j < t.n; ++j) {
-      const float* v = t.v + t.slots[j] * t.stride;
-      const __m512 w = _mm512_set1_ps(s[j]);
-      for (int c = 0; c < NC; ++c) o[c] = _mm512_fmadd_ps(w, load(v, c), o[c]);
+    // Output: the weighted sum of the value rows, even and odd keys in two sets of sums, so that
+    // consecutive keys do not wait on each other's additions.
+    __m512 o[2][NC];
+#pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) o[0][c] = o[1][c] = _mm512_setzero_ps();
+    for (j = 0; j + 2 <= n; j += 2) {
+#pragma GCC unroll 2
+      for (int e = 0; e < 2; ++e) {
+        const T* v = vc + rows[j + e];
+        const __m512 w = _mm512_set1_ps(s[j + e]);
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) o[e][c] = _mm512_fmadd_ps(w, load(v, c), o[e][c]);
+      }
     }
-    float* out = t.out + i * t.dim;
+    if (j < n) {
+      const T* v = vc + rows[j];
+      const __m512 w = _mm512_set1_ps(s[j]);
+#pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c) o[0][c] = _mm512_fmadd_ps(w, load(v, c), o[0][c]);
+    }
+    float* out = t.out + i * dim;
+#pragma GCC unroll 16
     for (int c = 0; c < NC; ++c) {
-      const __m512 r = _mm512_mul_ps(o[c], inv);
+      const __m512 r = _mm512_mul_ps(_mm512_add_ps(o[0][c], o[1][c]), inv);
       if (c == NC - 1) {
         _mm512_mask_storeu_ps(out + 16 * c, tail, r);
       } else {
@@ -175,24 +222,53 @@ __attribute__((target("avx512f,avx512dq"))) void attend_avx512(const Task& t) {
 #undef load
 }
 
-using Kernel = void (*)(const Task&);
+template <typename T>
+using Kernel = void (*)(const Task<T>&);
 
-template <int NC>
-Kernel pick(int64_t chunks) {
+template <int NC, typename T>
+Kernel<T> pick(int64_t dim) {
   if constexpr (NC > 16) {
-    return attend_scalar;
+    return attend_scalar<T>;
+  } else if (dim == 16 * NC) {
+    return attend_avx512<NC, false, T>;
   } else {
-    return chunks == NC ? attend_avx512<NC> : pick<NC + 1>(chunks);
+    return dim > 16 * (NC - 1) && dim < 16 * NC ? attend_avx512<NC, true, T> : pick<NC + 1, T>(dim);
   }
+}
+
+// All (request, KV head) tasks over a cache of element type T.
+template <typename T>
+void run_tasks(const float* qp, const T* kp, const T* vp, float* op, const int64_t* idx, const bool* mk,
+               const bool* em, int64_t b, int64_t h, int64_t hkv, int64_t d, int64_t n, float scale, bool portable) {
+  const int64_t groups = h / hkv;
+  const Kernel<T> kernel = has_avx512() && !portable ? pick<1, T>(d) : attend_scalar<T>;
+  at::parallel_for(0, b * hkv, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<int64_t> valid(static_cast<size_t>(n));
+    std::vector<float> scores(static_cast<size_t>(groups * n));
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t r = task / hkv, g = task % hkv;
+      if (em[r]) continue;
+      int64_t count = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        if (mk[r * n + j]) valid[count++] = idx[r * n + j] * hkv * d;
+      }
+      if (count == 0) continue;
+      const Task<T> t{qp + (r * h + g * groups) * d, valid.data(), count, kp + g * d, vp + g * d, groups, d,
+                      scale, scores.data(), op + (r * h + g * groups) * d};
+      kernel(t);
+    }
+  });
 }
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& key_index, const at::Tensor& mask, const at::Tensor& empty, double scale,
                   bool portable) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q: [B, H, D] float32");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous(),
-              "k_cache: contiguous [S, Hkv, D] float32");
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
+  const auto kv = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.dim() == 3 && (kv == at::kFloat || kv == at::kHalf || kv == at::kBFloat16) &&
+                  k_cache.is_contiguous(),
+              "k_cache: contiguous [S, Hkv, D] float32, float16 or bfloat16");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == kv && v_cache.is_contiguous(),
               "v_cache: like k_cache");
   const int64_t b = q.size(0), h = q.size(1), d = q.size(2), slots = k_cache.size(0), hkv = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == d && hkv > 0 && h % hkv == 0, "q heads must be a multiple of the cache's KV heads");
@@ -202,7 +278,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   TORCH_CHECK(empty.dim() == 1 && empty.size(0) == b && empty.scalar_type() == at::kBool, "empty: [B] bool");
   const at::Tensor qc = q.contiguous(), ic = key_index.contiguous(), mc = mask.contiguous(), ec = empty.contiguous();
   at::Tensor out = at::zeros({b, h, d}, q.options());
-  const int64_t n = key_index.size(1), groups = h / hkv;
+  const int64_t n = key_index.size(1);
   const int64_t* idx = ic.data_ptr<int64_t>();
   const bool* mk = mc.data_ptr<bool>();
   const bool* em = ec.data_ptr<bool>();
@@ -214,27 +290,18 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                   idx[r * n + j], " of request ", r, " outside the cache's ", slots, " slots");
     }
   }
-  const Kernel kernel = has_avx512() && !portable ? pick<1>((d + 15) / 16) : attend_scalar;
   const float* qp = qc.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, b * hkv, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<int64_t> valid(static_cast<size_t>(n));
-    std::vector<float> scores(static_cast<size_t>(groups * n));
-    for (int64_t task = t0; task < t1; ++task) {
-      const int64_t r = task / hkv, g = task % hkv;
-      if (em[r]) continue;
-      int64_t count = 0;
-      for (int64_t j = 0; j < n; ++j) {
-        if (mk[r * n + j]) valid[count++] = idx[r * n + j];
-      }
-      if (count == 0) continue;
-      const Task t{qp + (r * h + g * groups) * d, valid.data(), count, kp + g * d, vp + g * d, hkv * d, groups, d,
-                   static_cast<float>(scale), scores.data(), op + (r * h + g * groups) * d};
-      kernel(t);
-    }
-  });
+  const float sc = static_cast<float>(scale);
+  if (kv == at::kFloat) {
+    run_tasks(qp, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), op, idx, mk, em, b, h, hkv, d, n, sc, portable);
+  } else if (kv == at::kHalf) {
+    run_tasks(qp, k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), op, idx, mk, em, b, h, hkv, d, n, sc,
+              portable);
+  } else {
+    run_tasks(qp, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), op, idx, mk, em, b, h, hkv, d, n,
+              sc, portable);
+  }
   return out;
 }
 

@@ -37,6 +37,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class DriverOptions:
     device: str = "cpu"
     dtype: str = "float32"
+    kv_dtype: str = ""  # the KV cache's dtype; "" = `dtype`. On the CPU, any of DTYPES
     page_size: int = 16  # used when Hello asks for 0
     num_pages: int = 256  # used when Hello asks for 0
     max_requests_per_pass: int = 64
@@ -89,11 +90,16 @@ class TorchDriver:
     def __init__(self, ckpt: Checkpoint, options: DriverOptions = DriverOptions()) -> None:
         if options.dtype not in DTYPES:
             raise ConfigRejected(f"dtype must be one of {sorted(DTYPES)}", "dtype")
+        if options.kv_dtype and options.kv_dtype not in DTYPES:
+            raise ConfigRejected(f"kv_dtype must be one of {sorted(DTYPES)}", "kv_dtype")
         self.options = options
         self.ckpt = ckpt
         self.cfg = ckpt.cfg
         self.device = torch.device(options.device)
         self.dtype = DTYPES[options.dtype]
+        self.kv_dtype = DTYPES[options.kv_dtype or options.dtype]
+        if self.kv_dtype != self.dtype and self.device.type != "cpu":
+            raise ConfigRejected("a KV dtype other than the model's is implemented for the CPU only", "kv_dtype")
         self.model = fuse_projections(build_model(ckpt, self.device, self.dtype))
         if options.weights != "dense":
             self.model = quantize_int8(self.model, options.weights, options.w8a8_kernel, options.pack_weights)
@@ -133,7 +139,7 @@ class TorchDriver:
         if self.cache is None or (self.cache.page_size, self.cache.num_pages) != (page_size, num_pages):
             self.cache = None  # free the old pages before allocating the new ones
             self.cache = PagedKVCache(
-                cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
+                cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device
             )
             fresh = True
         else:

@@ -56,7 +56,7 @@ def attend_keys(
     else:
         out = masked_attention(
             q[keys.q_index],
-            keys.k_cache[keys.key_index],
+            keys.k_cache[keys.key_index].to(q.dtype),
             keys.v_cache[keys.key_index].to(q.dtype),
             keys.mask,
             scale,
@@ -69,7 +69,7 @@ def _decode_attention(q: torch.Tensor, keys: LayerKeys, scale: float) -> torch.T
     """`masked_attention` for one query per request, as reductions: -> [B, 1, H, D]."""
     qp = q[keys.q_index[:, 0]]  # [B, H, D]
     b, h, d = qp.shape
-    k = keys.k_cache[keys.key_index]  # [B, K, Hkv, D]
+    k = keys.k_cache[keys.key_index].to(q.dtype)  # [B, K, Hkv, D]
     v = keys.v_cache[keys.key_index].to(q.dtype)
     groups = h // k.shape[2]
     # Reductions over D, then over keys (dim 1): the layout Inductor vectorized best here.

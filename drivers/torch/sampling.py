@@ -14,6 +14,7 @@ import torch
 from bridge_schema.messages import Forward, Probe, SamplerKind
 from bridge_schema.sampling import seeded_uniform
 from drivers.errors import RequestRejected
+from drivers.torch import cpu_kernels
 
 PREFILTER = 256  # random sampling considers the 256 most likely tokens; the rest carry ~0 mass
 
@@ -101,7 +102,7 @@ def sample(
     RoPE positions of the rows' input tokens (the seeded draw's key)."""
     num_out = logits.shape[0]
     masked = apply_logit_masks(logits, fwd, vocab_size)
-    tokens = masked.max(-1).indices  # first maximum, like argmax, but 1.6x faster on the CPU
+    tokens = cpu_kernels.argmax_rows(masked)  # the first maximum, like argmax
     kinds = fwd.sampler.astype(np.int64)
     random_rows = np.nonzero(kinds == SamplerKind.RANDOM)[0]
     if len(random_rows):

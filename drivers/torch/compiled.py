@@ -1,15 +1,17 @@
 """The optional compiled path (`--compile`, CPU): each decoder layer, attention over the paged
 cache included, runs as one `torch.compile`d (Inductor: C++) function, shared by all layers (they
-take their block as an argument). A pass of one token (decode at batch 1) runs the whole stack,
-output head included, as one graph instead: there the ~100 us that each compiled call costs in
-dynamo and Inductor's Python wrapper were a third of the step. Passes with LoRA adapters stay
-eager; the driver refuses it on CUDA, whose attention is a Triton kernel.
+take their block as an argument). A decode pass (one query per request: batch 1 or a batch of
+contexts) runs the whole stack, output head included, as one graph instead: each compiled call
+costs ~70-100 us in dynamo's guards and Inductor's Python wrapper, a third of a batch-1 step,
+and 30 of them ~5% of a batch-32 step. Passes with LoRA adapters stay eager; the driver refuses
+it on CUDA, whose attention is a Triton kernel.
 
-Graphs: the stack's one; per layer function: one token per request (decode batches, where
-attention runs as fused reductions) and everything else. `PagedAttention(for_compiled=True)`
-pads the layouts so that no other size pattern occurs (dynamo specializes sizes 0 and 1), far
-under dynamo's recompile limit (8); the handshake compiles all three. Once compiled, graphs are
-called after a check of dynamo's guards, without dynamo's frame machinery (`direct_graphs.py`)."""
+Graphs: the stack's for one token and for one token per request (batch sizes are symbolic from
+2 on); the per-layer function's for everything else (prefill, mixed passes).
+`PagedAttention(for_compiled=True)` pads the layouts so that no other size pattern occurs
+(dynamo specializes sizes 0 and 1), far under dynamo's recompile limit (8); the handshake
+compiles all three. Once compiled, graphs are called after a check of dynamo's guards, without
+dynamo's frame machinery (`direct_graphs.py`)."""
 
 from __future__ import annotations
 
@@ -78,9 +80,11 @@ class CompiledModel:
         assert attention.for_compiled, "a compiled pass needs padded attention layouts"
         model, cfg = self.model, self.model.cfg
         x, rope_full, rope_local = model.embed(tokens, positions)
-        if tokens.shape[0] == 1:  # the logits of its one row; `rows` selects it or nothing
+        # One query per request (decode): the stack, logits of every row, then `rows` of them.
+        if attention.plan.q_index.shape[1] == 1:
             keys = [attention.layer_keys(i) for i in range(cfg.num_layers)]
             _mark_dynamic(*{id(t): t for k in keys for t in k[2:]}.values())  # families share theirs
+            _mark_dynamic(x, *rope_full, *rope_local)  # one token: size 1 stays specialized
             logits = self._stack(
                 cfg,
                 model.model.blocks(),
@@ -98,6 +102,11 @@ class CompiledModel:
             if i == 0:  # only the first call of a pass can compile
                 _mark_dynamic(x, cos, sin, keys.slots, keys.q_index, keys.key_index, keys.mask, keys.empty, keys.valid)
             x = self._layer(cfg, block, x, cos, sin, keys, attention.kernel)
+        # At least 2 rows (repeating row 0), so that passes with 0 or 1 output rows (a prompt's
+        # prefill) reuse the graph of 2 and more rather than compile their own.
+        n = rows.shape[0]
+        if n < 2:
+            rows = torch.cat((rows, rows.new_zeros(2 - n)))
         x = x[rows]
         _mark_dynamic(x)
-        return self._logits(cfg, model.model.norm, model.head(), x)
+        return self._logits(cfg, model.model.norm, model.head(), x)[:n]

@@ -1,6 +1,6 @@
 """The compiled path (`--compile`) equals the eager one on a tiny random Gemma-style model with
 sliding windows, attention sinks and user masks: chunked prefill, a mixed prefill batch, decode at
-batch 3 and at batch 1 (the whole stack as one graph). After the handshake's warm-up no pass
+batch 3 and at batch 1 (both the whole stack as one graph). After the handshake's warm-up no pass
 compiles again; passes with LoRA run eager. One compiled model per module (compiling costs
 seconds)."""
 
@@ -81,18 +81,29 @@ def test_mixed_batch_and_decode_equal_eager(gemma: Checkpoint, compiled: TorchDr
         torch.testing.assert_close(g, w, atol=1e-4, rtol=0)
 
 
-def test_one_token_pass_runs_the_stack_as_one_graph(compiled: TorchDriver, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Per-layer compiled calls cost ~100 us each in dynamo and Inductor's wrapper: batch-1 decode
-    # must not pay them 30 times a step.
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decode_pass_runs_the_stack_as_one_graph(
+    gemma: Checkpoint, compiled: TorchDriver, monkeypatch: pytest.MonkeyPatch, batch: int
+) -> None:
+    # Per-layer compiled calls cost ~100 us each in dynamo and Inductor's wrapper: decode must not
+    # pay them 30 times a step, at batch 1 or in a batch of contexts (the warm-up compiled both).
     assert compiled.compiled is not None
+    prompts = [random_tokens(n, 96, seed=n) for n in (4, 7, 2)][:batch]
+    specs = [request(p, 0, PAGES[30 + 3 * i :], PS, context_id=i) for i, p in enumerate(prompts)]
+    compiled.logits(forward(specs))
+    steps = [request([5], len(p), PAGES[30 + 3 * i :], PS, context_id=i) for i, p in enumerate(prompts)]
 
     def fail(*args: object) -> torch.Tensor:
-        raise AssertionError("a one-token pass called the per-layer graph")
+        raise AssertionError("a decode pass called the per-layer graph")
 
-    monkeypatch.setattr(compiled.compiled, "_layer", fail)
-    monkeypatch.setattr(compiled.compiled, "_logits", fail)
-    logits = compiled.logits(forward([request([5], 0, PAGES[30:], PS)]))
-    assert logits.shape == (1, 96)
+    with monkeypatch.context() as patched:
+        patched.setattr(compiled.compiled, "_layer", fail)
+        patched.setattr(compiled.compiled, "_logits", fail)
+        logits = compiled.logits(forward(steps))
+    assert logits.shape == (batch, 96)
+    eager = make_driver(gemma, page_size=PS, num_pages=len(PAGES))
+    eager.logits(forward(specs))
+    torch.testing.assert_close(logits, eager.logits(forward(steps)), atol=1e-4, rtol=0)
 
 
 def test_compiled_passes_skip_dynamo_after_the_warm_up(

@@ -104,6 +104,14 @@ def test_decode_pass_runs_the_stack_as_one_graph(
     eager = make_driver(gemma, page_size=PS, num_pages=len(PAGES))
     eager.logits(forward(specs))
     torch.testing.assert_close(logits, eager.logits(forward(steps)), atol=1e-4, rtol=0)
+    if batch > 1:  # a context that asks for no output: the stack's logits of the others only
+        quiet = [
+            request([6], len(p) + 1, PAGES[30 + 3 * i :], PS, context_id=i, outputs=[] if i == 1 else None)
+            for i, p in enumerate(prompts)
+        ]
+        got = compiled.logits(forward(quiet))
+        assert got.shape == (batch - 1, 96)
+        torch.testing.assert_close(got, eager.logits(forward(quiet)), atol=1e-4, rtol=0)
 
 
 def test_compiled_passes_skip_dynamo_after_the_warm_up(

@@ -24,6 +24,8 @@ from drivers.torch.progress import Progress
 
 log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("w8a8_kernel.cpp", "decode_attention.cpp", "argmax.cpp"))
+# -fopenmp: ATen's `parallel_for` is OpenMP in headers; without it the kernels run on one thread.
+FLAGS = ["-O3", "-fopenmp"]
 _state: dict[str, bool] = {}  # "loaded": the outcome of the first `load()` of this process
 
 
@@ -56,7 +58,8 @@ def load(show_progress: bool = True) -> bool:
 
 def source_digest() -> str:
     """A hash of the kernels' sources: names the build, and keys compiled graphs that call them."""
-    return hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES)).hexdigest()[:12]
+    data = b"".join(s.read_bytes() for s in SOURCES) + " ".join(FLAGS).encode()
+    return hashlib.sha256(data).hexdigest()[:12]
 
 
 def _build(show_progress: bool) -> bool:
@@ -71,7 +74,14 @@ def _build(show_progress: bool) -> bool:
     progress.update(0)
     try:
         sources = [str(s) for s in SOURCES]
-        cpp_extension.load(f"wafer_cpu_{digest}", sources, extra_cflags=["-O3"], is_python_module=False, verbose=False)
+        cpp_extension.load(
+            f"wafer_cpu_{digest}",
+            sources,
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler, a failed build or load
         lines = str(exc).splitlines() or [type(exc).__name__]
         reason = next((line for line in lines if "error" in line), lines[0])

@@ -188,9 +188,21 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 
 bool w8a8_has_vnni() { return has_vnni(); }
 
+// How many threads one `at::parallel_for` over 64 items runs on: torch's thread count where the
+// kernels were built with OpenMP, 1 where they were not (then ATen's `parallel_for` is serial).
+int64_t parallel_threads() {
+  std::vector<int> used(64, -1);
+  at::parallel_for(0, 64, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) used[i] = at::get_thread_num();
+  });
+  std::sort(used.begin(), used.end());
+  return std::unique(used.begin(), used.end()) - used.begin();
+}
+
 TORCH_LIBRARY(wafer, lib) {
   lib.def("w8a8_linear(Tensor x, Tensor w, Tensor w_scale, Tensor w_sum) -> Tensor");
   lib.def("w8a8_has_vnni() -> bool", &w8a8_has_vnni);
+  lib.def("parallel_threads() -> int", &parallel_threads);
 }
 
 TORCH_LIBRARY_IMPL(wafer, CPU, lib) { lib.impl("w8a8_linear", &w8a8_linear); }

@@ -143,6 +143,18 @@ def test_driver_kernel_equals_torch_path(kernel: None, tmp_path: Path) -> None:
     assert torch.equal(got, want)
 
 
+@needs_kernel
+def test_kernels_run_on_torchs_threads(kernel: None) -> None:
+    # Built without OpenMP, ATen's parallel_for inside the kernels is serial at any thread count.
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert torch.ops.wafer.parallel_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_without_a_toolchain_w8a8_says_why_and_keeps_the_torch_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

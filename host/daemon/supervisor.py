@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import IO
 
 from host.daemon.config import DaemonConfig
 from host.daemon.errors import DriverUnavailable
@@ -59,6 +60,7 @@ class Supervisor:
         self._num_restarts = 0
         self._last_error = ""
         self._generation = 0
+        self._output: threading.Thread | None = None  # forwards the driver process's output
         self._thread = threading.Thread(target=self._main, name="wafer-supervisor", daemon=True)
 
     def start(self) -> None:
@@ -187,18 +189,28 @@ class Supervisor:
 
     def _spawn(self, address: str, workdir: str) -> subprocess.Popen[bytes]:
         argv = [sys.executable, "-m", f"drivers.{self._config.driver}", "--listen", address, *self._config.driver_argv]
-        with open(os.path.join(workdir, "driver.log"), "wb") as log_file:
-            # Its own session: a Ctrl-C meant for the daemon must not kill the driver before the
-            # daemon has drained its runs.
-            return subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        # Its own session: a Ctrl-C meant for the daemon must not kill the driver before the
+        # daemon has drained its runs.
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        assert proc.stdout is not None
+        self._output = threading.Thread(
+            target=_forward_output,
+            args=(proc.stdout, os.path.join(workdir, "driver.log"), proc.pid),
+            name=f"wafer-driver-output-{proc.pid}",
+            daemon=True,
+        )
+        self._output.start()
+        return proc
 
     def _wait_for_socket(self, proc: subprocess.Popen[bytes], address: str, workdir: str) -> None:
         path = address.removeprefix("unix:")
         deadline = time.monotonic() + self._config.driver_startup_timeout_s
         while not os.path.exists(path):
             if proc.poll() is not None:
+                if self._output is not None:
+                    self._output.join(timeout=2.0)  # its last words, before quoting them
                 raise DriverUnavailable(f"driver exited with status {proc.returncode}: {_tail(workdir)}")
             if time.monotonic() > deadline or self._stopping.is_set():
                 raise DriverUnavailable(f"driver did not listen within the startup timeout: {_tail(workdir)}")
@@ -216,6 +228,18 @@ class Supervisor:
                     return f"driver health check failed: {exc}"
                 next_health = time.monotonic() + _HEALTH_EVERY_S
         return "daemon stopping"
+
+
+def _forward_output(stream: IO[bytes], log_path: str, pid: int) -> None:
+    """Until the driver closes its output: each line into the daemon's log (the driver's loading
+    progress, its warnings) and into `log_path` (the tail quoted when the driver fails)."""
+    with stream, open(log_path, "ab") as log_file:
+        for raw in stream:
+            log_file.write(raw)
+            log_file.flush()
+            line = raw.decode("utf-8", errors="replace").rstrip()
+            if line:
+                log.info("driver %d: %s", pid, line)
 
 
 def _tail(workdir: str, num_bytes: int = 2000) -> str:

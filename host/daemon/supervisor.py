@@ -233,13 +233,24 @@ class Supervisor:
 def _forward_output(stream: IO[bytes], log_path: str, pid: int) -> None:
     """Until the driver closes its output: each line into the daemon's log (the driver's loading
     progress, its warnings) and into `log_path` (the tail quoted when the driver fails)."""
-    with stream, open(log_path, "ab") as log_file:
+    # The driver blocks once the pipe is full: whatever happens to the file, keep reading.
+    try:
+        log_file: IO[bytes] | None = open(log_path, "ab")  # closed below
+    except OSError:
+        log_file = None
+    with stream:
         for raw in stream:
-            log_file.write(raw)
-            log_file.flush()
+            if log_file is not None:
+                try:
+                    log_file.write(raw)
+                    log_file.flush()
+                except OSError:
+                    log_file = None
             line = raw.decode("utf-8", errors="replace").rstrip()
             if line:
                 log.info("driver %d: %s", pid, line)
+    if log_file is not None:
+        log_file.close()
 
 
 def _tail(workdir: str, num_bytes: int = 2000) -> str:

@@ -43,7 +43,7 @@ class DaemonConfig:
     run_watchdog_s: float = 30.0
     max_upload_bytes: int = 64 * MIB
     max_request_bytes: int = 4 * MIB
-    driver_startup_timeout_s: float = 120.0
+    driver_startup_timeout_s: float = 300.0  # a first --compile start: kernels ~20 s, compiling ~70 s
     restart_backoff_initial_s: float = 0.5
     restart_backoff_max_s: float = 30.0
     drain_timeout_s: float = 10.0

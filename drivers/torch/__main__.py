@@ -34,6 +34,11 @@ def main(argv: list[str] | None = None) -> None:
         help="int8: weight-only, bf16/fp16; w8a8: int8 weights and per-row int8 activations in the matmuls",
     )
     parser.add_argument(
+        "--no-smooth",
+        action="store_true",
+        help="w8a8: quantize without smoothing the activations' outlier channels into the weights first",
+    )
+    parser.add_argument(
         "--compile",
         action="store_true",
         help="CPU: compile each layer with torch.compile at startup (tens of seconds the first time)",
@@ -60,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         max_tokens_per_pass=args.max_tokens_per_pass,
         seed=args.seed,
         weights=args.weights,
+        smooth=not args.no_smooth,
         compile=args.compile,
     )
     try:

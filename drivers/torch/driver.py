@@ -29,6 +29,7 @@ from drivers.torch.paged_attention import PagedAttention
 from drivers.torch.progress import Progress
 from drivers.torch.quantize import quantize_int8
 from drivers.torch.sampling import sample
+from drivers.torch.smoothing import CALIBRATION_TEXT, smooth
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,6 +49,8 @@ class DriverOptions:
     # "dense" (the activation dtype), "int8" (weight-only, bf16/fp16 only) or "w8a8" (int8 weights
     # and per-row int8 activations in the matmuls): see `quantize.py`.
     weights: str = "dense"
+    # w8a8: smooth the activations' outlier channels into the weights first (`smoothing.py`).
+    smooth: bool = True
     # w8a8 on the CPU: the C++ kernel of `cpu_kernels.py` where it builds; False keeps the torch
     # path (same results; for side-by-side measurements).
     w8a8_kernel: bool = True
@@ -86,6 +89,14 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> T
     return model
 
 
+def _calibration_tokens(ckpt: Checkpoint) -> list[int]:
+    """Smoothing's calibration pass: its text through the model's tokenizer, else fixed ids."""
+    vocab = ckpt.cfg.vocab_size
+    if ckpt.tokenizer is not None:
+        return [t % vocab for t in ckpt.tokenizer.encode(CALIBRATION_TEXT).ids]
+    return [(i * 7919) % vocab for i in range(96)]
+
+
 class TorchDriver:
     def __init__(self, ckpt: Checkpoint, options: DriverOptions = DriverOptions()) -> None:
         if options.dtype not in DTYPES:
@@ -101,6 +112,8 @@ class TorchDriver:
         if self.kv_dtype != self.dtype and self.device.type != "cpu":
             raise ConfigRejected("a KV dtype other than the model's is implemented for the CPU only", "kv_dtype")
         self.model = fuse_projections(build_model(ckpt, self.device, self.dtype))
+        if options.weights == "w8a8" and options.smooth:
+            self.model = smooth(self.model, _calibration_tokens(ckpt))
         if options.weights != "dense":
             self.model = quantize_int8(self.model, options.weights, options.w8a8_kernel, options.pack_weights)
         elif self.device.type == "cpu" and self.dtype == torch.float32:

@@ -91,5 +91,4 @@ def test_smoothing_makes_w8a8_track_float32_closer(smollm2: Checkpoint) -> None:
             n: float(torch.corrcoef(torch.stack([logits["float32"].flatten(), logits[n].flatten()]))[0, 1])
             for n in ("smooth", "plain")
         }
-        print(prompt[-20:], corr)
         assert corr["smooth"] > corr["plain"] and corr["smooth"] > 0.99, (prompt, corr)

@@ -12,12 +12,11 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cpu_features.h"
+
 namespace {
 
-bool has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f");
-  return yes;
-}
+using wafer::has_avx512;
 
 int64_t argmax_scalar(const float* x, int64_t n) {
   int64_t best = 0;

@@ -24,6 +24,7 @@ from drivers.torch.progress import Progress
 
 log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("w8a8_kernel.cpp", "decode_attention.cpp", "argmax.cpp"))
+HEADERS = (Path(__file__).with_name("cpu_features.h"),)
 # -fopenmp: ATen's `parallel_for` is OpenMP in headers; without it the kernels run on one thread.
 FLAGS = ["-O3", "-fopenmp"]
 _state: dict[str, bool] = {}  # "loaded": the outcome of the first `load()` of this process
@@ -58,7 +59,7 @@ def load(show_progress: bool = True) -> bool:
 
 def source_digest() -> str:
     """A hash of the kernels' sources: names the build, and keys compiled graphs that call them."""
-    data = b"".join(s.read_bytes() for s in SOURCES) + " ".join(FLAGS).encode()
+    data = b"".join(s.read_bytes() for s in (*SOURCES, *HEADERS)) + " ".join(FLAGS).encode()
     return hashlib.sha256(data).hexdigest()[:12]
 
 

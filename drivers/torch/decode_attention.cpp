@@ -23,13 +23,11 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_features.h"
+
 namespace {
 
-bool has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-                          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-  return yes;
-}
+using wafer::has_avx512;
 
 // One (request, KV head) of work: its query rows q[G][D] (contiguous heads), its valid keys' cache
 // rows (of element type T) at `k + rows[j]` and `v + rows[j]`, and where its G output rows go.

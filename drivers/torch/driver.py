@@ -29,7 +29,7 @@ from drivers.torch.paged_attention import PagedAttention
 from drivers.torch.progress import Progress
 from drivers.torch.quantize import quantize_int8
 from drivers.torch.sampling import sample
-from drivers.torch.smoothing import CALIBRATION_TEXT, smooth
+from drivers.torch.smoothing import calibration_tokens, smooth
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -89,14 +89,6 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> T
     return model
 
 
-def _calibration_tokens(ckpt: Checkpoint) -> list[int]:
-    """Smoothing's calibration pass: its text through the model's tokenizer, else fixed ids."""
-    vocab = ckpt.cfg.vocab_size
-    if ckpt.tokenizer is not None:
-        return [t % vocab for t in ckpt.tokenizer.encode(CALIBRATION_TEXT).ids]
-    return [(i * 7919) % vocab for i in range(96)]
-
-
 class TorchDriver:
     def __init__(self, ckpt: Checkpoint, options: DriverOptions = DriverOptions()) -> None:
         if options.dtype not in DTYPES:
@@ -113,7 +105,7 @@ class TorchDriver:
             raise ConfigRejected("a KV dtype other than the model's is implemented for the CPU only", "kv_dtype")
         self.model = fuse_projections(build_model(ckpt, self.device, self.dtype))
         if options.weights == "w8a8" and options.smooth:
-            self.model = smooth(self.model, _calibration_tokens(ckpt))
+            self.model = smooth(self.model, calibration_tokens(ckpt.tokenizer, ckpt.cfg.vocab_size))
         if options.weights != "dense":
             self.model = quantize_int8(self.model, options.weights, options.w8a8_kernel, options.pack_weights)
         elif self.device.type == "cpu" and self.dtype == torch.float32:
@@ -226,7 +218,9 @@ class TorchDriver:
             token_adapter = np.repeat(request.adapter_ids.astype(np.int64), plan.num_q_np)
             lora = LoraBatch(self.adapters, token_adapter, self.device)
         if self.compiled is not None and lora is None:
-            attend = PagedAttention(self.cfg, self.cache, plan, self.use_triton, True, self.attention_kernel)
+            attend = PagedAttention(
+                self.cfg, self.cache, plan, self.use_triton, for_compiled=True, kernel=self.attention_kernel
+            )
             return plan, self.compiled(plan.tokens, plan.positions, attend, plan.out_tokens)
         attend = PagedAttention(self.cfg, self.cache, plan, self.use_triton, kernel=self.attention_kernel)
         return plan, self.model(plan.tokens, plan.positions, attend, plan.out_tokens, lora)

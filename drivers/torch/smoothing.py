@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from tokenizers import Tokenizer
 from torch import nn
 
-from drivers.torch.model import RMSNorm, Transformer
+from drivers.torch.model import Attend, RMSNorm, Transformer
 
 ALPHA = 0.5
 # Text of several kinds (prose, facts, code, a chat turn), tokenized by the model's tokenizer.
@@ -61,6 +62,32 @@ def smooth(model: Transformer, calibration: list[int], alpha: float = ALPHA) -> 
     return model
 
 
+def calibration_tokens(tokenizer: Tokenizer | None, vocab_size: int) -> list[int]:
+    """The calibration pass's tokens: `CALIBRATION_TEXT` through the model's tokenizer, else
+    fixed ids."""
+    if tokenizer is not None:
+        return [t % vocab_size for t in tokenizer.encode(CALIBRATION_TEXT).ids]
+    return [(i * 7919) % vocab_size for i in range(96)]
+
+
+def causal_attention(scale: float) -> Attend:
+    """Attention of one sequence over itself, causal, without a cache (every key in reach:
+    windows do not matter for channel maxima)."""
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            is_causal=True,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        return out[0].transpose(0, 1)
+
+    return attend
+
+
 def _input_maxima(model: Transformer, tokens: list[int]) -> dict[tuple[int, str], torch.Tensor]:
     """The largest magnitude of each input channel of every projection over one causal pass."""
     stats: dict[tuple[int, str], torch.Tensor] = {}
@@ -82,23 +109,9 @@ def _input_maxima(model: Transformer, tokens: list[int]) -> dict[tuple[int, str]
             hooks.append(lin.register_forward_pre_hook(record))
     device = model.model.embed_tokens.weight.device
     ids = torch.tensor(tokens, device=device)
-    cfg = model.cfg
-
-    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # One sequence, causal, every key in reach (windows do not matter for channel maxima).
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            is_causal=True,
-            scale=cfg.scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
-        return out[0].transpose(0, 1)
-
     try:
         with torch.inference_mode():
-            model(ids, torch.arange(len(tokens), device=device), attend, ids.new_zeros(1))
+            model(ids, torch.arange(len(tokens), device=device), causal_attention(model.cfg.scale), ids.new_zeros(1))
     finally:
         for hook in hooks:
             hook.remove()

@@ -23,6 +23,8 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_features.h"
+
 namespace {
 
 constexpr int64_t kPanelCols = 64;        // 4 vectors of 16 output columns
@@ -31,15 +33,7 @@ constexpr int64_t kMaxBlockRows = 6;      // 6 rows x 4 vectors: 24 of the 32 ve
 // Software prefetch this far ahead in the panel being streamed (one block of rows per panel).
 constexpr int64_t kPrefetchBytes = 4096;
 
-bool has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  return yes;
-}
-
-bool has_vnni() {
-  static const bool yes = has_avx512() && __builtin_cpu_supports("avx512vnni");
-  return yes;
-}
+using wafer::has_vnni;
 
 // Quantizes one row exactly as the torch path does: sx = max|x| / 127 (at least 1e-12), then
 // round(x / sx) half to even, clamped to [-127, 127]. Returns sx.

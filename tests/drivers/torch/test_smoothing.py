@@ -8,33 +8,22 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from bridge_schema.messages import Hello
 from drivers.torch.checkpoint import Checkpoint
 from drivers.torch.driver import DriverOptions, TorchDriver, build_model
 from drivers.torch.fusion import fuse_projections
 from drivers.torch.model import Transformer
-from drivers.torch.smoothing import smooth
+from drivers.torch.smoothing import causal_attention, smooth
 from tests.drivers.torch.helpers import forward, load_dir, random_tokens, request, write_tiny_gemma, write_tiny_llama
 
 
 def _logits(model: Transformer, tokens: list[int]) -> torch.Tensor:
     ids = torch.tensor(tokens)
-
-    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            is_causal=True,
-            scale=model.cfg.scale,
-            enable_gqa=True,
-        )
-        return out[0].transpose(0, 1)
-
     with torch.inference_mode():
-        return model(ids, torch.arange(len(tokens)), attend, torch.arange(len(tokens))).clone()
+        return model(
+            ids, torch.arange(len(tokens)), causal_attention(model.cfg.scale), torch.arange(len(tokens))
+        ).clone()
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma"])

@@ -269,6 +269,15 @@ def test_decode_attention_refuses_a_slot_outside_the_cache(kernel: None, op: str
     torch.ops.wafer.decode_attention(q, k_cache, v_cache, key_index, mask, empty, 0.25)
 
 
+@needs_kernel
+@pytest.mark.parametrize("op", ATTENTION_OPS)
+def test_decode_attention_refuses_a_mask_that_does_not_cover_its_keys(kernel: None, op: str) -> None:
+    # Never applied positionally or past its end: a mask shorter than the keys is an error.
+    q, k_cache, v_cache, key_index, mask, empty = _attention_inputs(4, 2, 16, [5, 7], seed=2)
+    with pytest.raises(RuntimeError, match=r"mask: \[B, K\] bool"):
+        getattr(torch.ops.wafer, op)(q, k_cache, v_cache, key_index, mask[:, :-1], empty, 0.25)
+
+
 def _with_op_calls(fn: Callable[[], list[torch.Tensor]]) -> tuple[list[torch.Tensor], int]:
     """What `fn` returns, and how many times it called `wafer::decode_attention`."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -93,6 +93,9 @@ class Handshake(Message):
     chat_template: str = scalar_field("str", "")  # jinja2 source
     stop_token_ids: U32 = array_field("<u4")
     control_token_ids: U32 = array_field("<u4")
+    # What the driver runs on, for logs and `/health`: e.g. the device, and on the CPU which
+    # instruction-set variant each C++ kernel runs. Informational; the host never branches on it.
+    driver_info: dict[str, int | float | str] = scalar_field("stats")
 
 
 # ---------------------------------------------------------------- forward

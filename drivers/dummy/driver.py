@@ -107,6 +107,7 @@ class DummyDriver:
             chat_template=CHATML_TEMPLATE,
             stop_token_ids=np.array([IM_END, ENDOFTEXT], dtype=np.uint32),
             control_token_ids=np.arange(NUM_BYTE_TOKENS, c.vocab_size, dtype=np.uint32),
+            driver_info={"device": "none (the dummy driver computes nothing)"},
         )
 
     def forward(self, f: Forward) -> ForwardResult:

@@ -1,7 +1,7 @@
 """wafer's C++ CPU kernels, built once per machine with torch's C++ extension loader (cached in
 torch's extension directory) and registered as opaque ops that torch.compile calls as they are:
 
-- `torch.ops.wafer.w8a8_linear` (`w8a8_kernel.cpp`; AVX512-VNNI): int8 weights in VNNI panels
+- `torch.ops.wafer.w8a8_linear` (`w8a8_kernel.cpp`): int8 weights in panels
   (`quantize.pack_vnni`) times per-row int8 activations, bit-identical to `DynamicInt8Linear`'s
   torch path;
 - `torch.ops.wafer.decode_attention` (`decode_attention.cpp`): float32 attention of one query per
@@ -9,13 +9,18 @@ torch's extension directory) and registered as opaque ops that torch.compile cal
 - `torch.ops.wafer.argmax_rows` (`argmax.cpp`): each row's first maximum, for greedy sampling
   (`argmax_rows` below).
 
+Each kernel holds variants for several instruction sets (`cpu_features.h`: avx512_vnni, avx512,
+avx2_vnni, avx2, portable) and runs the best one the CPU has at each call; `variants()` says which,
+`limit_isa` caps them (tests and benches run the lower variants on a CPU that has higher ones).
 Where they cannot be built, `load()` says why and returns False; callers then keep the plain
 torch paths, which give the same results (to float32 rounding, for attention)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -23,14 +28,20 @@ import torch
 from drivers.torch.progress import Progress
 
 log = logging.getLogger(__name__)
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("w8a8_kernel.cpp", "decode_attention.cpp", "argmax.cpp"))
-HEADERS = (Path(__file__).with_name("cpu_features.h"),)
+SOURCES = tuple(
+    Path(__file__).with_name(n) for n in ("cpu_isa.cpp", "w8a8_kernel.cpp", "decode_attention.cpp", "argmax.cpp")
+)
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_features.h", "w8a8_avx2.inc"))
+ISAS = ("portable", "avx2", "avx2_vnni", "avx512", "avx512_vnni")  # cpu_features.h's levels, lowest first
+KERNELS = ("w8a8", "decode_attention", "argmax")
 # -fopenmp: ATen's `parallel_for` is OpenMP in headers; without it the kernels run on one thread.
 FLAGS = ["-O3", "-fopenmp"]
 _state: dict[str, bool] = {}  # "loaded": the outcome of the first `load()` of this process
 
 
-def _fake_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, w_sum: torch.Tensor) -> torch.Tensor:
+def _fake_linear(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, w_sum: torch.Tensor, sgemm_from_rows: int = 0
+) -> torch.Tensor:
     return x.new_empty(x.shape[0], w_scale.shape[0])  # w: VNNI panels, one scale per output
 
 
@@ -95,9 +106,45 @@ def _build(show_progress: bool) -> bool:
     return True
 
 
-def has_vnni() -> bool:
-    """Whether the loaded w8a8 kernel runs its AVX512-VNNI matrix-vector path (else `_int_mm` inside)."""
-    return bool(torch.ops.wafer.w8a8_has_vnni())
+def cpu_isas() -> list[str]:
+    """The instruction-set levels this CPU supports (of ISAS), lowest first; needs `load()`."""
+    return list(torch.ops.wafer.cpu_isas())
+
+
+def variants() -> dict[str, str]:
+    """Which variant each kernel runs now (the best the CPU has, under the cap); needs `load()`."""
+    return {name: str(getattr(torch.ops.wafer, f"{name}_variant")()) for name in KERNELS}
+
+
+def set_isa_cap(name: str) -> str:
+    """Cap every kernel at the level `name` (of ISAS) for this process; returns the previous cap.
+    A cap above what the CPU has changes nothing; an unknown name raises ValueError."""
+    if name not in ISAS:
+        raise ValueError(f"unknown instruction-set level {name!r}: one of {', '.join(ISAS)}")
+    return str(torch.ops.wafer.set_isa_cap(name))
+
+
+@contextlib.contextmanager
+def limit_isa(name: str) -> Iterator[dict[str, str]]:
+    """Within the block, the kernels run at most the level `name`; yields `variants()` there."""
+    before = set_isa_cap(name)
+    try:
+        yield variants()
+    finally:
+        set_isa_cap(before)
+
+
+def describe() -> str:
+    """One line for logs and driver info: the kernels' variants, or why the torch paths run."""
+    if "loaded" not in _state:
+        return "C++ CPU kernels not loaded (not used by this configuration)"
+    if not _state["loaded"]:
+        return "C++ CPU kernels not built: torch paths"
+    chosen = variants()
+    line = ", ".join(f"{k} {v}" for k, v in chosen.items())
+    if all(v == "portable" for v in chosen.values()):
+        line += " (no vector variant for this CPU: correct, not fast)"
+    return f"{line}; CPU supports {' '.join(cpu_isas())}"
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

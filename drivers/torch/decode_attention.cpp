@@ -15,19 +15,24 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "cpu_features.h"
 
+#if WAFER_X86
+#include <immintrin.h>
+#endif
+
 namespace {
 
-using wafer::has_avx512;
+// The variants, best first (cpu_features.h); portable: attend_scalar.
+constexpr wafer::Isa kLevels[] = {wafer::kAvx512, wafer::kAvx2};
 
 // One (request, KV head) of work: its query rows q[G][D] (contiguous heads), its valid keys' cache
 // rows (of element type T) at `k + rows[j]` and `v + rows[j]`, and where its G output rows go.
@@ -69,6 +74,8 @@ void attend_scalar(const Task<T>& t) {
     for (int64_t d = 0; d < t.dim; ++d) o[d] /= sum;
   }
 }
+
+#if WAFER_X86
 
 // exp(x) for x <= 0 (scores minus their maximum): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its
 // Taylor polynomial to degree 7 (error < 6e-9 relative), times 2^n with scalef. Below -87 the
@@ -220,18 +227,200 @@ __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl"))) void attend_avx512
 #undef load
 }
 
+
+// ------------------------------------------------------------------------------------ AVX2
+
+// exp_nonpositive with AVX2: 2^n is built in the exponent bits, so x is clamped at -87 (n >= -126,
+// a normal float) and lanes below -87 are set to 0, as expf's result there is below 2e-38.
+__attribute__((target("avx2,fma"))) inline __m256 exp_nonpositive_avx2(__m256 x) {
+  const __m256 floor = _mm256_set1_ps(-87.0f);
+  const __m256 under = _mm256_cmp_ps(x, floor, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, floor);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(pow2)));
+}
+
+// Eight vectors -> one whose lane j is the sum of the lanes of v[j] (in order).
+__attribute__((target("avx2,fma"))) inline __m256 reduce8(const __m256* v) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+// 8 elements of a cache row from `p` as float32; `count` < 8: only the first `count` are read
+// (the rest are 0), count <= 0: none.
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const float* p, int64_t count) {
+  if (count >= 8) return _mm256_loadu_ps(p);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(count)), lane));
+}
+
+__attribute__((target("avx2,fma,f16c"))) inline __m128i load8_bits(const void* p, int64_t count) {
+  if (count >= 8) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  uint16_t part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  if (count > 0) std::memcpy(part, p, static_cast<size_t>(count) * 2);
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(part));
+}
+
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const at::Half* p, int64_t count) {
+  return _mm256_cvtph_ps(load8_bits(p, count));
+}
+
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const at::BFloat16* p, int64_t count) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load8_bits(p, count)), 16));
+}
+
+// NC vectors of 8 per head row; `Tail`: D < 8 NC, and each vector reads only what is in the row.
+// The query is scaled into a padded local copy; the output is summed in chunks of 8 vectors, so
+// that the sums stay within the 16 registers (D = 128: two passes over the value rows).
+template <int NC, bool Tail, typename T>
+__attribute__((target("avx2,fma,f16c"))) void attend_avx2(const Task<T>& t) {
+  const int64_t n = t.n, dim = t.dim;
+  const int64_t* rows = t.rows;
+  const T* kc = t.k;
+  const T* vc = t.v;
+#define count(c) (Tail ? dim - 8 * (c) : 8)
+  alignas(32) float qs[8 * NC];
+  for (int64_t i = 0; i < t.heads; ++i) {
+    const float* qi = t.q + i * dim;
+    for (int64_t d = 0; d < 8 * NC; ++d) qs[d] = d < dim ? qi[d] * t.scale : 0.0f;
+    float* s = t.scores + i * n;
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      __m256 acc[8];
+      const __m256 q0 = _mm256_load_ps(qs);
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) acc[u] = _mm256_mul_ps(q0, load8(kc + rows[j + u], count(0)));
+#pragma GCC unroll 32
+      for (int c = 1; c < NC; ++c) {
+        const __m256 qc = _mm256_load_ps(qs + 8 * c);
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qc, load8(kc + rows[j + u] + 8 * c, count(c)), acc[u]);
+      }
+      _mm256_storeu_ps(s + j, reduce8(acc));
+    }
+    for (; j < n; ++j) {
+      const T* k = kc + rows[j];
+      __m256 a = _mm256_mul_ps(_mm256_load_ps(qs), load8(k, count(0)));
+#pragma GCC unroll 32
+      for (int c = 1; c < NC; ++c) a = _mm256_fmadd_ps(_mm256_load_ps(qs + 8 * c), load8(k + 8 * c, count(c)), a);
+      s[j] = hsum8(a);
+    }
+    // Softmax over the n scores.
+    float top = -std::numeric_limits<float>::infinity();
+    for (j = 0; j < n; ++j) top = std::max(top, s[j]);
+    const __m256 vtop = _mm256_set1_ps(top);
+    __m256 vsum = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= n; j += 8) {
+      const __m256 e = exp_nonpositive_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + j), vtop));
+      _mm256_storeu_ps(s + j, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum8(vsum);
+    if (j < n) {
+      const __m256 e = exp_nonpositive_avx2(_mm256_sub_ps(load8(s + j, n - j), vtop));
+      alignas(32) float tail[8];
+      _mm256_store_ps(tail, e);
+      for (int64_t r = j; r < n; ++r) sum += (s[r] = tail[r - j]);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / sum);
+    // Output: the weighted sum of the value rows, 8 vectors at a time.
+    float* out = t.out + i * dim;
+    for (int c0 = 0; c0 < NC; c0 += 8) {
+      __m256 o[8];
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) o[c] = _mm256_setzero_ps();
+      for (j = 0; j < n; ++j) {
+        const T* v = vc + rows[j];
+        const __m256 w = _mm256_set1_ps(s[j]);
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c) {
+          if (c0 + c < NC) o[c] = _mm256_fmadd_ps(w, load8(v + 8 * (c0 + c), count(c0 + c)), o[c]);
+        }
+      }
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) {
+        if (c0 + c >= NC) break;
+        const __m256 r = _mm256_mul_ps(o[c], inv);
+        const int64_t live = count(c0 + c);
+        if (live <= 0) break;
+        if (live >= 8) {
+          _mm256_storeu_ps(out + 8 * (c0 + c), r);
+        } else {
+          alignas(32) float part[8];
+          _mm256_store_ps(part, r);
+          std::memcpy(out + 8 * (c0 + c), part, static_cast<size_t>(live) * sizeof(float));
+        }
+      }
+    }
+  }
+#undef count
+}
+
+#endif  // WAFER_X86
+
 template <typename T>
 using Kernel = void (*)(const Task<T>&);
 
+#if WAFER_X86
 template <int NC, typename T>
-Kernel<T> pick(int64_t dim) {
+Kernel<T> pick_avx512(int64_t dim) {
   if constexpr (NC > 16) {
     return attend_scalar<T>;
   } else if (dim == 16 * NC) {
     return attend_avx512<NC, false, T>;
   } else {
-    return dim > 16 * (NC - 1) && dim < 16 * NC ? attend_avx512<NC, true, T> : pick<NC + 1, T>(dim);
+    return dim > 16 * (NC - 1) && dim < 16 * NC ? attend_avx512<NC, true, T> : pick_avx512<NC + 1, T>(dim);
   }
+}
+
+// The AVX2 kernel for head size `dim`: instantiated for 1-8 vectors exactly and for 12, 16, 24
+// and 32 (D = 96, 128, 192, 256); other sizes run the next larger one with its tail masked.
+template <typename T>
+Kernel<T> pick_avx2(int64_t dim) {
+  constexpr int kSizes[] = {1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32};
+  constexpr Kernel<T> kExact[] = {attend_avx2<1, false, T>,  attend_avx2<2, false, T>,  attend_avx2<3, false, T>,
+                                  attend_avx2<4, false, T>,  attend_avx2<5, false, T>,  attend_avx2<6, false, T>,
+                                  attend_avx2<7, false, T>,  attend_avx2<8, false, T>,  attend_avx2<12, false, T>,
+                                  attend_avx2<16, false, T>, attend_avx2<24, false, T>, attend_avx2<32, false, T>};
+  constexpr Kernel<T> kTail[] = {attend_avx2<1, true, T>,  attend_avx2<2, true, T>,  attend_avx2<3, true, T>,
+                                 attend_avx2<4, true, T>,  attend_avx2<5, true, T>,  attend_avx2<6, true, T>,
+                                 attend_avx2<7, true, T>,  attend_avx2<8, true, T>,  attend_avx2<12, true, T>,
+                                 attend_avx2<16, true, T>, attend_avx2<24, true, T>, attend_avx2<32, true, T>};
+  for (int i = 0; i < 12; ++i) {
+    if (dim <= 8 * kSizes[i]) return dim == 8 * kSizes[i] ? kExact[i] : kTail[i];
+  }
+  return attend_scalar<T>;
+}
+
+#endif  // WAFER_X86
+
+// The kernel of the variant `isa` for head size `dim`.
+template <typename T>
+Kernel<T> kernel_for(wafer::Isa isa, int64_t dim) {
+#if WAFER_X86
+  if (isa == wafer::kAvx512) return pick_avx512<1, T>(dim);
+  if (isa == wafer::kAvx2) return pick_avx2<T>(dim);
+#endif
+  return attend_scalar<T>;
 }
 
 // All (request, KV head) tasks over a cache of element type T.
@@ -239,7 +428,7 @@ template <typename T>
 void run_tasks(const float* qp, const T* kp, const T* vp, float* op, const int64_t* idx, const bool* mk,
                const bool* em, int64_t b, int64_t h, int64_t hkv, int64_t d, int64_t n, float scale, bool portable) {
   const int64_t groups = h / hkv;
-  const Kernel<T> kernel = has_avx512() && !portable ? pick<1, T>(d) : attend_scalar<T>;
+  const Kernel<T> kernel = kernel_for<T>(portable ? wafer::kPortable : wafer::pick(kLevels), d);
   at::parallel_for(0, b * hkv, 1, [&](int64_t t0, int64_t t1) {
     std::vector<int64_t> valid(static_cast<size_t>(n));
     std::vector<float> scores(static_cast<size_t>(groups * n));
@@ -309,16 +498,19 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   return attend(q, k_cache, v_cache, key_index, mask, empty, scale, false);
 }
 
-// The same without AVX-512 (what a CPU without it runs), so that tests cover it everywhere.
+// The same with the portable variant whatever the CPU and the cap (for side-by-side tests).
 at::Tensor decode_attention_portable(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                      const at::Tensor& key_index, const at::Tensor& mask, const at::Tensor& empty,
                                      double scale) {
   return attend(q, k_cache, v_cache, key_index, mask, empty, scale, true);
 }
 
+std::string decode_attention_variant() { return wafer::kIsaNames[wafer::pick(kLevels)]; }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(wafer, lib) {
+  lib.def("decode_attention_variant() -> str", &decode_attention_variant);
 #define WAFER_ATTENTION_ARGS \
   "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor key_index, Tensor mask, Tensor empty, float scale) -> Tensor"
   lib.def("decode_attention" WAFER_ATTENTION_ARGS);

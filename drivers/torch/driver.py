@@ -4,6 +4,7 @@ Each `forward` is validate -> plan -> model -> sample; nothing here does tensor 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from drivers.torch.quantize import quantize_int8
 from drivers.torch.sampling import sample
 from drivers.torch.smoothing import calibration_tokens, smooth
 
+log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -117,6 +119,8 @@ class TorchDriver:
             and self.dtype == torch.float32
             and cpu_kernels.load()
         )
+        if self.device.type == "cpu":
+            log.info("CPU kernels: %s", cpu_kernels.describe())
         self.compiled: CompiledModel | None = None
         if options.compile:
             if self.device.type != "cpu":
@@ -179,7 +183,22 @@ class TorchDriver:
             chat_template=self.ckpt.chat_template,
             stop_token_ids=np.array(self.ckpt.stop_token_ids, dtype=np.uint32),
             control_token_ids=np.array(self.ckpt.control_token_ids, dtype=np.uint32),
+            driver_info=self.info(),
         )
+
+    def info(self) -> dict[str, int | float | str]:
+        """The handshake's `driver_info` and part of `health`: what this driver runs on."""
+        o = self.options
+        info: dict[str, int | float | str] = {
+            "device": str(self.device),
+            "dtype": o.dtype,
+            "weights": o.weights,
+            "compile": int(o.compile),
+        }
+        if self.device.type == "cpu":
+            info["cpu_kernels"] = cpu_kernels.describe()
+            info["threads"] = torch.get_num_threads()
+        return info
 
     @torch.inference_mode()
     def forward(self, request: Forward) -> ForwardResult:
@@ -263,4 +282,4 @@ class TorchDriver:
             raise RequestRejected(f"op must be 'load' or 'unload', got {request.op!r}", "op")
 
     def health(self) -> dict[str, int | float | str]:
-        return {**self.stats, "adapters": len(self.adapters), "device": str(self.device)}
+        return {**self.stats, **self.info(), "adapters": len(self.adapters)}

@@ -8,12 +8,15 @@ bytes, so 4x fewer bytes than fp32 is the main lever on the CPU. Two kinds:
   on the other rows of the batch) and multiplied with the exact integer matmul `torch._int_mm`;
   any activation dtype. Measured on the 2-core dev machine (1 thread, SmolLM2's shapes), it is
   1.6x faster than the weight-only kernel at 1 row and 2.3x at 8, at the cost of a larger error.
-  On the CPU with AVX512-VNNI its matmuls run the C++ kernel of `cpu_kernels.py` where it builds
-  (bit-identical results; its weights are packed in VNNI panels, `pack_vnni`)."""
+  On the CPU its matmuls run the C++ kernel of `cpu_kernels.py` where it builds, in the variant
+  for the CPU's instruction set (bit-identical results; its weights are packed in panels,
+  `pack_vnni`)."""
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -65,7 +68,7 @@ def pack_vnni(q: torch.Tensor) -> torch.Tensor:
 
 class DynamicInt8Linear(nn.Module):
     """y = (round(x / sx) @ Wq^T) * sx * sw, with sx = max|x_row| / 127 per input row.
-    `use_kernel`: the C++ kernel (AVX512-VNNI), whose `weight_int8` is `pack_vnni`'s layout;
+    `use_kernel`: the C++ kernel (any CPU), whose `weight_int8` is `pack_vnni`'s layout;
     else the torch path, whose `weight_int8` is [out, in]."""
 
     weight_int8: torch.Tensor
@@ -75,6 +78,7 @@ class DynamicInt8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, use_kernel: bool) -> None:
         super().__init__()
         q, scale = _per_row_int8(weight)
+        self.in_features = weight.shape[1]
         # [out, in] for the torch path (`_int_mm` reads its transpose fastest), or VNNI panels.
         self.register_buffer("weight_int8", pack_vnni(q) if use_kernel else q)
         self.register_buffer("scale", scale)
@@ -82,12 +86,15 @@ class DynamicInt8Linear(nn.Module):
         self.register_buffer("weight_sum", q.sum(dim=1, dtype=torch.int32))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.use_kernel = use_kernel
+        # The kernel: from this many rows on, run torch's float32 matmul on the same integers
+        # (bit-identical; 0 = never). Set by `choose_matmuls` from measured speed.
+        self.sgemm_from_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).float()
         if self.use_kernel:
-            y = torch.ops.wafer.w8a8_linear(rows, self.weight_int8, self.scale, self.weight_sum)
+            y = torch.ops.wafer.w8a8_linear(rows, self.weight_int8, self.scale, self.weight_sum, self.sgemm_from_rows)
         else:
             y = w8a8_reference(rows, self.weight_int8, self.scale)
         y = y.to(x.dtype).reshape(*shape[:-1], y.shape[-1])
@@ -101,14 +108,56 @@ def w8a8_reference(rows: torch.Tensor, weight_int8: torch.Tensor, scale: torch.T
     return torch._int_mm(xq, weight_int8.T) * (sx * scale)
 
 
+# Row counts at which `choose_matmuls` times the kernel against the float32 matmul.
+_TRIAL_ROWS = (64, 256)
+
+
+def choose_matmuls(linears: list[DynamicInt8Linear]) -> dict[tuple[int, int], int]:
+    """For each weight shape (outputs, inputs) among the kernel's linears, time the integer kernel
+    against its float32-matmul path at 64 and 256 rows (best of 2, after a warm-up) and set the
+    layers' `sgemm_from_rows` to the first row count where the float path was faster (0: the
+    kernel at every row count). Both give the same bits, so only speed depends on the outcome:
+    w8a8 prefill is never slower than a float32 matmul of the same shape. Returns the choices."""
+    by_shape: dict[tuple[int, int], list[DynamicInt8Linear]] = {}
+    for lin in linears:
+        if lin.use_kernel:
+            by_shape.setdefault((lin.scale.numel(), lin.in_features), []).append(lin)
+    chosen = {}
+    for shape, group in by_shape.items():
+        threshold = 0
+        for rows in _TRIAL_ROWS:
+            kernel, sgemm = (_best_time(_trial(group[0], rows, path)) for path in (0, 1))
+            if sgemm < kernel:
+                threshold = rows
+                break
+        for lin in group:
+            lin.sgemm_from_rows = threshold
+        chosen[shape] = threshold
+    return chosen
+
+
+def _trial(lin: DynamicInt8Linear, rows: int, sgemm_from_rows: int) -> Callable[[], object]:
+    x = torch.randn(rows, lin.in_features)
+    return lambda: torch.ops.wafer.w8a8_linear(x, lin.weight_int8, lin.scale, lin.weight_sum, sgemm_from_rows)
+
+
+def _best_time(fn: Callable[[], object], repeats: int = 2) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 # The projections of a block in the order a step runs them (fused or not).
 _STEP_ORDER = ("qkv", "q_proj", "k_proj", "v_proj", "o_proj", "gate_up", "gate_proj", "up_proj", "down_proj")
 
 
 def quantize_int8(model: Transformer, kind: str = "int8", use_kernel: bool = True, pack: bool = True) -> Transformer:
     """Replace the model's linear layers (and output head) by int8 ones of `kind`, in place.
-    `use_kernel`: w8a8 on the CPU runs the C++ kernel where it builds and the CPU has
-    AVX512-VNNI (tests turn it off).
+    `use_kernel`: w8a8 on the CPU runs the C++ kernel where it builds (tests turn it off).
     `pack`: on the CPU, every int8 weight becomes a view into one buffer, in step order, on huge
     pages where the OS allows it (`weight_arena.py`)."""
     dtype = model.model.embed_tokens.weight.dtype
@@ -118,7 +167,7 @@ def quantize_int8(model: Transformer, kind: str = "int8", use_kernel: bool = Tru
         raise ConfigRejected(f"weights must be one of {WEIGHT_KINDS}, got {kind!r}", "weights")
 
     on_cpu = model.model.embed_tokens.weight.device.type == "cpu"
-    kernel = kind == "w8a8" and use_kernel and on_cpu and cpu_kernels.load() and cpu_kernels.has_vnni()
+    kernel = kind == "w8a8" and use_kernel and on_cpu and cpu_kernels.load()
 
     def convert(weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear | DynamicInt8Linear:
         return Int8Linear(weight, bias, dtype) if kind == "int8" else DynamicInt8Linear(weight, bias, kernel)
@@ -141,4 +190,12 @@ def quantize_int8(model: Transformer, kind: str = "int8", use_kernel: bool = Tru
         for lin, view in zip(converted, views, strict=True):
             lin.weight_int8 = view
         log.info("int8 weights packed in one buffer (%s pages)", "huge" if huge else "normal")
+    if kernel:
+        kernels = [lin for lin in converted if isinstance(lin, DynamicInt8Linear)]
+        choices = choose_matmuls(kernels)
+        log.info(
+            "w8a8 matmuls (%s): %s",
+            cpu_kernels.variants()["w8a8"],
+            ", ".join(f"{n}x{k} float32 from {t} rows" if t else f"{n}x{k} kernel" for (n, k), t in choices.items()),
+        )
     return model

@@ -1,21 +1,24 @@
 // wafer::w8a8_linear: y = (round(x / sx) @ Wq^T) * sx * sw with sx = max|x_row| / 127 per input
-// row, float32 in and out, the same arithmetic as `DynamicInt8Linear`'s torch path, so both give
-// bit-identical results (the integer sums are exact in any order).
+// row, float32 in and out, the same arithmetic as `DynamicInt8Linear`'s torch path, so every
+// variant gives bit-identical results (the integer sums are exact in any order).
 //
-// The int8 weights come packed for AVX512-VNNI (`quantize.pack_vnni`): panels of 64 output
-// columns, each panel's bytes in k order, 4 input bytes of 16 columns per 64-byte vector:
-// panel[p][k / 4][b][c][k % 4] = W[64 p + 16 b + c][k]. One `vpdpbusd` then adds 4 products into
-// each of 16 column sums, so the sums come out as vectors of outputs (no horizontal reductions),
-// and a panel streams from memory in one linear pass. Up to 6 activation rows run against a
-// panel's 4 column vectors at once (24 accumulators); more rows run in balanced blocks of at most
-// 6 over the panel, held in cache, while the next panel is prefetched. Columns past the weight's
-// last row are zero weights, computed and never stored; input bytes past k are zero weights too.
+// The int8 weights come packed in panels (`quantize.pack_vnni`) of 64 output columns, each
+// panel's bytes in k order, 4 input bytes of each column together:
+// panel[p][k / 4][c][k % 4] = W[64 p + c][k]. A 64-byte AVX-512 vector holds 16 columns' 4 bytes,
+// so one `vpdpbusd` adds 4 products into each of 16 column sums: the sums come out as vectors of
+// outputs (no horizontal reductions), and a panel streams from memory in one linear pass. Columns
+// past the weight's last row are zero weights, computed and never stored; input bytes past k are
+// zero weights too.
+//
+// Variants (cpu_features.h), chosen at each call: avx512_vnni (below), avx2_vnni and avx2
+// (w8a8_avx2.inc, the same panels as 8-column vectors), portable (plain C++ over the panels).
+// In the AVX-512 variant up to 6 activation rows run against a panel's 4 column vectors at once
+// (24 accumulators); more rows run in balanced blocks of at most 6 over the panel, held in cache,
+// while the next panel is prefetched.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -25,19 +28,58 @@
 
 #include "cpu_features.h"
 
+#if WAFER_X86
+#include <immintrin.h>
+#endif
+
 namespace {
 
-constexpr int64_t kPanelCols = 64;        // 4 vectors of 16 output columns
+using wafer::Isa;
+
+constexpr int64_t kPanelCols = 64;        // 4 AVX-512 vectors of 16 output columns
 constexpr int64_t kQuadBytes = 256;       // one k-quad of a panel: 64 columns x 4 input bytes
 constexpr int64_t kMaxBlockRows = 6;      // 6 rows x 4 vectors: 24 of the 32 vector registers
 // Software prefetch this far ahead in the panel being streamed (one block of rows per panel).
 constexpr int64_t kPrefetchBytes = 4096;
-
-using wafer::has_vnni;
+// The variants, best first.
+constexpr Isa kLevels[] = {wafer::kAvx512Vnni, wafer::kAvx2Vnni, wafer::kAvx2};
 
 // Quantizes one row exactly as the torch path does: sx = max|x| / 127 (at least 1e-12), then
-// round(x / sx) half to even, clamped to [-127, 127]. Returns sx.
-__attribute__((target("avx512f,avx512bw"))) float quantize_row_avx512(const float* x, int64_t k, int8_t* out) {
+// round(x / sx) half to even, clamped to [-127, 127]. Returns sx. (The rounding mode is the
+// default, round to nearest even, for std::nearbyint as for the vector instructions.)
+float quantize_row_portable(const float* x, int64_t k, int8_t* out) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float sx = std::max(amax / 127.0f, 1e-12f);
+  for (int64_t i = 0; i < k; ++i) out[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(x[i] / sx))));
+  return sx;
+}
+
+// The portable variant: all m rows (signed int8) against panel p.
+void run_panel_portable(const int8_t* xq, int64_t kp, const float* sx, int64_t m, const int8_t* w, int64_t kq,
+                        int64_t p, const float* ws, float* y, int64_t n) {
+  const int64_t c0 = p * kPanelCols, cols = std::min(kPanelCols, n - c0);
+  const int8_t* panel = w + p * kq * kQuadBytes;
+  int32_t acc[kPanelCols];
+  for (int64_t i = 0; i < m; ++i) {
+    std::fill(acc, acc + kPanelCols, 0);
+    const int8_t* x = xq + i * kp;
+    for (int64_t g = 0; g < kq; ++g) {
+      const int8_t* wq = panel + g * kQuadBytes;
+      const int32_t x0 = x[4 * g], x1 = x[4 * g + 1], x2 = x[4 * g + 2], x3 = x[4 * g + 3];
+      for (int64_t c = 0; c < kPanelCols; ++c)
+        acc[c] += x0 * wq[4 * c] + x1 * wq[4 * c + 1] + x2 * wq[4 * c + 2] + x3 * wq[4 * c + 3];
+    }
+    for (int64_t c = 0; c < cols; ++c) y[i * n + c0 + c] = static_cast<float>(acc[c]) * (sx[i] * ws[c0 + c]);
+  }
+}
+
+#if WAFER_X86
+
+namespace avx512 {
+
+// quantize_row_portable with AVX-512.
+__attribute__((target("avx512f,avx512bw"))) float quantize_row(const float* x, int64_t k, int8_t* out) {
   __m512 vmax = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= k; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
@@ -146,12 +188,91 @@ void run_panel(const uint8_t* xu, int64_t kp, const float* sx, int64_t m, const 
   }
 }
 
+}  // namespace avx512
+
+// quantize_row_portable with AVX2 (the AVX2 variants' activations).
+__attribute__((target("avx2,fma"))) float quantize_row_avx2(const float* x, int64_t k, int8_t* out) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 vmax = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  float amax = _mm_cvtss_f32(m4);
+  for (int64_t j = i; j < k; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float sx = std::max(amax / 127.0f, 1e-12f);
+  const __m256 vs = _mm256_set1_ps(sx), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  for (i = 0; i + 8 <= k; i += 8) {
+    __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i q32 = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, q)));
+    const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), _mm_packs_epi16(q16, q16));
+  }
+  for (; i < k; ++i) out[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(x[i] / sx))));
+  return sx;
+}
+
+#define WAFER_AVX2_NS avx2
+#define WAFER_AVX2_VNNI 0
+#define WAFER_AVX2_TARGET __attribute__((target("avx2,fma")))
+#include "w8a8_avx2.inc"
+#undef WAFER_AVX2_NS
+#undef WAFER_AVX2_VNNI
+#undef WAFER_AVX2_TARGET
+
+#define WAFER_AVX2_NS avx2_vnni
+#define WAFER_AVX2_VNNI 1
+#define WAFER_AVX2_TARGET __attribute__((target("avx2,fma,avxvnni")))
+#include "w8a8_avx2.inc"
+#undef WAFER_AVX2_NS
+#undef WAFER_AVX2_VNNI
+#undef WAFER_AVX2_TARGET
+
+#endif  // WAFER_X86
+
+// The same product through torch's float32 matmul, for many rows where that is faster (the caller
+// measures: `quantize.DynamicInt8Linear.sgemm_from_rows`): the panels widened to float32 [n, kp],
+// the quantized rows as floats, and each block of at most 1024 inputs multiplied separately, so
+// that every partial sum is an integer below 1024 * 127^2 < 2^24, exact in float32 in any order;
+// the blocks add as int32. So the result is bit-identical to the integer kernels.
+at::Tensor sgemm_path(const std::vector<int8_t>& xq, const std::vector<float>& sx, int64_t m, int64_t kp,
+                      const at::Tensor& w, const at::Tensor& w_scale, int64_t n) {
+  const int64_t panels = w.size(0), kq = kp / 4;
+  at::Tensor wf = at::empty({panels * kPanelCols, kp}, w_scale.options());
+  const int8_t* wp = w.data_ptr<int8_t>();
+  float* fp = wf.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t c = 0; c < kPanelCols; ++c) {
+        const int8_t* src = wp + p * kq * kQuadBytes + 4 * c;
+        float* dst = fp + (p * kPanelCols + c) * kp;
+        for (int64_t g = 0; g < kq; ++g) {
+          for (int64_t t = 0; t < 4; ++t) dst[4 * g + t] = static_cast<float>(src[g * kQuadBytes + t]);
+        }
+      }
+    }
+  });
+  at::Tensor xf = at::empty({m, kp}, w_scale.options());
+  float* xfp = xf.data_ptr<float>();
+  for (int64_t i = 0; i < m * kp; ++i) xfp[i] = static_cast<float>(xq[i]);
+  const at::Tensor wn = wf.narrow(0, 0, n);
+  at::Tensor acc;
+  for (int64_t k0 = 0; k0 < kp; k0 += 1024) {
+    const int64_t len = std::min<int64_t>(1024, kp - k0);
+    at::Tensor part = at::mm(xf.narrow(1, k0, len), wn.narrow(1, k0, len).t()).to(at::kInt);
+    acc = acc.defined() ? acc.add_(part) : part;
+  }
+  const at::Tensor scales = at::from_blob(const_cast<float*>(sx.data()), {m, 1}, w_scale.options()) * w_scale;
+  return acc.to(at::kFloat).mul_(scales);
+}
+
+// `sgemm_from_rows`: with at least this many rows (0: never) the product runs `sgemm_path`.
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
-                       const at::Tensor& w_sum) {
-  TORCH_CHECK(has_vnni(), "w8a8_linear needs AVX512-VNNI (check w8a8_has_vnni first)");
+                       const at::Tensor& w_sum, int64_t sgemm_from_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [rows, in]");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(),
-              "w must be int8 VNNI panels [ceil(out / 64), ceil(in / 4) * 256]");
+              "w must be int8 panels [ceil(out / 64), ceil(in / 4) * 256]");
   const int64_t m = x.size(0), k = x.size(1), n = w_scale.numel();
   const int64_t kp = (k + 3) / 4 * 4, kq = kp / 4, panels = w.size(0);
   TORCH_CHECK(w.size(1) == kq * kQuadBytes, "w's panels are not packed for x's input size ", k);
@@ -162,41 +283,58 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
+  const bool sgemm = sgemm_from_rows > 0 && m >= sgemm_from_rows;
+  const Isa isa = sgemm ? wafer::kPortable : wafer::pick(kLevels);
   std::vector<int8_t> xq(static_cast<size_t>(m * kp), 0);
   std::vector<float> sx(static_cast<size_t>(m));
   const float* xp = xc.data_ptr<float>();
-  for (int64_t i = 0; i < m; ++i) sx[i] = quantize_row_avx512(xp + i * k, k, xq.data() + i * kp);
-  for (int8_t& v : xq) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80);  // q + 128 as uint8
+  auto quantize = quantize_row_portable;
+#if WAFER_X86
+  const Isa fastest = wafer::pick(kLevels);
+  if (fastest == wafer::kAvx512Vnni) quantize = avx512::quantize_row;
+  if (fastest == wafer::kAvx2Vnni || fastest == wafer::kAvx2) quantize = quantize_row_avx2;
+#endif
+  for (int64_t i = 0; i < m; ++i) sx[i] = quantize(xp + i * k, k, xq.data() + i * kp);
+  if (sgemm) return sgemm_path(xq, sx, m, kp, w, w_scale, n);
+  // The VNNI instructions multiply unsigned by signed bytes: their activations go in as q + 128.
+  if (isa == wafer::kAvx512Vnni || isa == wafer::kAvx2Vnni) {
+    for (int8_t& v : xq) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80);
+  }
   const auto* xu = reinterpret_cast<const uint8_t*>(xq.data());
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* ws = w_scale.data_ptr<float>();
   const int32_t* sp = w_sum.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, panels, 4, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) run_panel(xu, kp, sx.data(), m, wp, kq, panels, p, sp, ws, yp, n);
+    for (int64_t p = p0; p < p1; ++p) {
+      switch (isa) {
+#if WAFER_X86
+        case wafer::kAvx512Vnni:
+          avx512::run_panel(xu, kp, sx.data(), m, wp, kq, panels, p, sp, ws, yp, n);
+          break;
+        case wafer::kAvx2Vnni:
+          avx2_vnni::run_panel(xu, kp, sx.data(), m, wp, kq, p, sp, ws, yp, n);
+          break;
+        case wafer::kAvx2:
+          avx2::run_panel(xu, kp, sx.data(), m, wp, kq, p, sp, ws, yp, n);
+          break;
+#endif
+        default:
+          run_panel_portable(xq.data(), kp, sx.data(), m, wp, kq, p, ws, yp, n);
+      }
+    }
   });
   return y;
 }
 
+// The variant `w8a8_linear` runs now (kIsaNames).
+std::string w8a8_variant() { return wafer::kIsaNames[wafer::pick(kLevels)]; }
+
 }  // namespace
 
-bool w8a8_has_vnni() { return has_vnni(); }
-
-// How many threads one `at::parallel_for` over 64 items runs on: torch's thread count where the
-// kernels were built with OpenMP, 1 where they were not (then ATen's `parallel_for` is serial).
-int64_t parallel_threads() {
-  std::vector<int> used(64, -1);
-  at::parallel_for(0, 64, 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) used[i] = at::get_thread_num();
-  });
-  std::sort(used.begin(), used.end());
-  return std::unique(used.begin(), used.end()) - used.begin();
-}
-
-TORCH_LIBRARY(wafer, lib) {
-  lib.def("w8a8_linear(Tensor x, Tensor w, Tensor w_scale, Tensor w_sum) -> Tensor");
-  lib.def("w8a8_has_vnni() -> bool", &w8a8_has_vnni);
-  lib.def("parallel_threads() -> int", &parallel_threads);
+TORCH_LIBRARY_FRAGMENT(wafer, lib) {
+  lib.def("w8a8_linear(Tensor x, Tensor w, Tensor w_scale, Tensor w_sum, int sgemm_from_rows=0) -> Tensor");
+  lib.def("w8a8_variant() -> str", &w8a8_variant);
 }
 
 TORCH_LIBRARY_IMPL(wafer, CPU, lib) { lib.impl("w8a8_linear", &w8a8_linear); }

@@ -23,6 +23,7 @@ def _health(daemon: Daemon) -> tuple[int, dict[str, Any]]:
     if engine is not None:
         engine_info = {
             "model": engine.model.name,
+            "driver_info": dict(engine.handshake.driver_info),
             "max_context": engine.model.max_context,
             "free_pages": engine.num_free_pages,
             "speculation": engine.speculation_stats(),

@@ -105,6 +105,7 @@ def samples() -> dict[str, Message]:
             chat_template="{{ messages }}",
             stop_token_ids=np.array([258], np.uint32),
             control_token_ids=np.array([256, 257, 258, 259], np.uint32),
+            driver_info={"device": "cpu", "cpu_kernels": "w8a8 avx2"},
         ),
         "forward": sample_forward(),
         "forward_result": ForwardResult(

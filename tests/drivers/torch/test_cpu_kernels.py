@@ -1,10 +1,14 @@
 """The C++ CPU kernels (`cpu_kernels.py`).
 
+Every kernel runs in each instruction-set variant this CPU supports (`ISA`: the variants are
+forced with `cpu_kernels.limit_isa`, so an AVX-512 machine tests the AVX2 and portable code too);
+a variant the CPU lacks is skipped, naming the missing feature.
+
 w8a8 (`w8a8_kernel.cpp`) reads its weights where `pack_vnni` puts them and gives bit-identical
 results to the torch path at every row count (one block of rows, half panels, balanced blocks),
-on odd shapes, so a row's result never depends on its batch; it refuses weights packed for another
-shape; torch.compile calls it as an opaque op; where it cannot be built, w8a8 says why and keeps
-the torch path.
+on odd shapes, so a row's result never depends on its batch, in every variant and on its float32
+matmul path; it refuses weights packed for another shape; torch.compile calls it as an opaque op;
+where it cannot be built, w8a8 says why and keeps the torch path.
 
 Decode attention (`decode_attention.cpp`, vectorized and portable) equals the reference attention
 to float32 rounding at every head size and grouping, over keys with holes, repeats and padding,
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -25,11 +29,11 @@ from torch.utils import cpp_extension
 
 from bridge_schema.messages import Hello
 from drivers.errors import ConfigRejected
-from drivers.torch import cpu_kernels
+from drivers.torch import cpu_kernels, quantize
 from drivers.torch.attention_ref import masked_attention
 from drivers.torch.direct_graphs import DirectGraphs
 from drivers.torch.driver import DriverOptions, TorchDriver
-from drivers.torch.quantize import DynamicInt8Linear, pack_vnni, w8a8_reference
+from drivers.torch.quantize import DynamicInt8Linear, choose_matmuls, pack_vnni, w8a8_reference
 from tests.drivers.torch.helpers import (
     forward,
     load_dir,
@@ -42,11 +46,28 @@ from tests.drivers.torch.helpers import (
 
 CAN_BUILD = cpp_extension.is_ninja_available() and shutil.which("c++") is not None
 needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="no C++ toolchain (ninja and c++) to build the kernel")
+# What each level needs beyond the one below it, for the skip reason.
+FEATURES = {
+    "avx2": "AVX2, FMA and F16C",
+    "avx2_vnni": "AVX-VNNI",
+    "avx512": "AVX-512 F/DQ/BW/VL",
+    "avx512_vnni": "AVX512-VNNI",
+}
 
 
 @pytest.fixture(scope="module")
 def kernel() -> None:
     assert cpu_kernels.load(show_progress=False), "the kernel did not build (see the logged reason)"
+
+
+@pytest.fixture(params=cpu_kernels.ISAS)
+def isa(request: pytest.FixtureRequest, kernel: None) -> Iterator[dict[str, str]]:
+    """Each instruction-set level in turn, the kernels capped there; yields their variants."""
+    name = request.param
+    if name not in cpu_kernels.cpu_isas():
+        pytest.skip(f"this CPU lacks {FEATURES[name]}: the {name} variants cannot run here")
+    with cpu_kernels.limit_isa(name) as chosen:
+        yield chosen
 
 
 def _linear(n: int, k: int, seed: int, rows: int = 9) -> tuple[torch.Tensor, DynamicInt8Linear]:
@@ -81,7 +102,7 @@ def test_vnni_panels_hold_each_weight_where_the_kernel_reads_it() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize(("n", "k"), [(1, 64), (7, 99), (33, 130), (64, 577), (96, 576), (130, 1536)])
-def test_kernel_equals_torch_path_exactly(kernel: None, n: int, k: int) -> None:
+def test_kernel_equals_torch_path_exactly(isa: dict[str, str], n: int, k: int) -> None:
     # n: one partial panel, a panel exactly, a full one and a partial; k: not multiples of 4 or 64.
     x, lin = _linear(n, k, seed=n + k, rows=65)
     plain = _torch_path(lin, k)
@@ -90,8 +111,41 @@ def test_kernel_equals_torch_path_exactly(kernel: None, n: int, k: int) -> None:
     x[3, : k // 2] *= 1000  # one large half: most of the row rounds to 0
     # 1-6 rows: one block; 7, 8: two half panels; more: balanced blocks of at most 6, prefetching.
     for m in (*range(1, 10), 12, 13, 16, 31, 32, 33, 64, 65):
-        assert torch.equal(lin(x[:m]), plain(x[:m])), (n, k, m)
+        assert torch.equal(lin(x[:m]), plain(x[:m])), (isa["w8a8"], n, k, m)
         assert torch.equal(plain(x[:m]), w8a8_reference(x[:m], plain.weight_int8, plain.scale))
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k"), [(7, 99), (130, 1536), (70, 2100)])
+def test_float32_matmul_path_equals_torch_path_exactly(kernel: None, n: int, k: int) -> None:
+    # Every weight and activation at +-127: a 2100-long sum (34M) is past float32's exact integers
+    # (2^24), so only the blocks of at most 1024 inputs keep the float path exact.
+    x, lin = _linear(n, k, seed=k, rows=33)
+    x[0], x[1] = 1.0, -1.0
+    q = _torch_path(lin, k).weight_int8.clone()
+    q[0] = 127
+    lin.weight_int8, lin.weight_sum = pack_vnni(q), q.sum(dim=1, dtype=torch.int32)
+    plain = _torch_path(lin, k)
+    assert int(plain.weight_int8[0].sum()) == 127 * k
+    for m in (1, 2, 5, 33):
+        got = torch.ops.wafer.w8a8_linear(x[:m], lin.weight_int8, lin.scale, lin.weight_sum, 1)
+        assert torch.equal(got, plain(x[:m])), (n, k, m)
+    lin.sgemm_from_rows = 5  # from 5 rows on
+    assert torch.equal(lin(x[:4]), plain(x[:4])) and torch.equal(lin(x), plain(x))
+
+
+@needs_kernel
+def test_choose_matmuls_sets_a_row_count_per_shape(kernel: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    lins = [DynamicInt8Linear(torch.randn(n, k), None, True) for n, k in ((64, 96), (64, 96), (32, 48))]
+    choices = choose_matmuls(lins)
+    assert set(choices) == {(64, 96), (32, 48)}
+    assert [lin.sgemm_from_rows for lin in lins] == [choices[(64, 96)], choices[(64, 96)], choices[(32, 48)]]
+    # Whichever is measured faster is taken: a float path that is always faster, from 64 rows.
+    times = iter([2.0, 1.0] * 8)
+    monkeypatch.setattr(quantize, "_best_time", lambda fn: next(times))
+    assert choose_matmuls(lins[:1]) == {(64, 96): 64} and lins[0].sgemm_from_rows == 64
+    times = iter([1.0, 2.0] * 8)
+    assert choose_matmuls(lins[:1]) == {(64, 96): 0} and lins[0].sgemm_from_rows == 0
 
 
 @needs_kernel
@@ -104,7 +158,7 @@ def test_kernel_refuses_weights_packed_for_another_shape(kernel: None) -> None:
 
 
 @needs_kernel
-def test_kernel_row_does_not_depend_on_its_batch(kernel: None) -> None:
+def test_kernel_row_does_not_depend_on_its_batch(isa: dict[str, str]) -> None:
     x, lin = _linear(200, 576, seed=1)
     big = torch.cat([x, x * 50, -x])  # 27 rows: 5 blocks of 6 and 5 rows
     alone = lin(x[:1])
@@ -169,13 +223,32 @@ def test_without_a_toolchain_w8a8_says_why_and_keeps_the_torch_path(
 
 
 @needs_kernel
-def test_without_vnni_w8a8_keeps_the_torch_path(kernel: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_kernels, "has_vnni", lambda: False)
-    drv = TorchDriver(load_dir(write_tiny_llama(tmp_path / "m")), DriverOptions(weights="w8a8", num_pages=8))
-    proj = drv.model.model.layers[0].self_attn.o_proj
-    assert not proj.use_kernel and proj.weight_int8.shape == (64, 64)  # [out, in], not VNNI panels
-    drv.handshake(Hello())
-    assert drv.forward(forward([request([1, 2, 3], 0, range(8), 16)])).tokens.shape == (1,)
+def test_a_cpu_without_vector_variants_runs_the_portable_kernels(kernel: None, tmp_path: Path) -> None:
+    # The portable variants: correct on any CPU (never an error at run time), and said so.
+    ckpt = load_dir(write_tiny_llama(tmp_path / "m"))
+    with cpu_kernels.limit_isa("portable") as chosen:
+        assert chosen == dict.fromkeys(cpu_kernels.KERNELS, "portable")
+        assert "correct, not fast" in cpu_kernels.describe()
+        drv = TorchDriver(ckpt, DriverOptions(weights="w8a8", w8a8_kernel=True, num_pages=8))
+        plain = TorchDriver(ckpt, DriverOptions(weights="w8a8", w8a8_kernel=False, num_pages=8))
+        assert drv.model.model.layers[0].self_attn.o_proj.use_kernel
+        for d in (drv, plain):
+            d.handshake(Hello())
+        spec = [request(random_tokens(9, 96, seed=1), 0, range(8), 16, all_rows=True)]
+        assert torch.equal(drv.logits(forward(spec)), plain.logits(forward(spec)))
+
+
+@needs_kernel
+def test_the_isa_cap_takes_known_levels_only(kernel: None) -> None:
+    with pytest.raises(ValueError, match="unknown instruction-set level 'sse9'"):
+        cpu_kernels.set_isa_cap("sse9")
+    with pytest.raises(RuntimeError, match="unknown instruction-set level"):
+        torch.ops.wafer.set_isa_cap("sse9")
+    best = cpu_kernels.cpu_isas()[-1]
+    assert cpu_kernels.cpu_isas()[0] == "portable"
+    with cpu_kernels.limit_isa("portable"):
+        assert cpu_kernels.cpu_isas()[-1] == best  # the cap limits the kernels, not what the CPU has
+    assert set(cpu_kernels.variants().values()) <= set(cpu_kernels.cpu_isas())
 
 
 def test_a_failed_build_says_why(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
@@ -229,10 +302,10 @@ def _reference(
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     ("h", "hkv", "d"),
-    [(9, 3, 64), (4, 4, 16), (8, 2, 20), (2, 1, 256), (6, 3, 8), (4, 2, 128), (3, 1, 33)],
+    [(9, 3, 64), (4, 4, 16), (8, 2, 20), (2, 1, 256), (6, 3, 8), (4, 2, 128), (3, 1, 33), (2, 1, 100)],
 )
 def test_decode_attention_equals_reference(
-    kernel: None, op: str, kv_dtype: torch.dtype, h: int, hkv: int, d: int
+    isa: dict[str, str], op: str, kv_dtype: torch.dtype, h: int, hkv: int, d: int
 ) -> None:
     # 16 and 32 keys fill blocks of 16 exactly; 17 and 47 leave a remainder; 0 attends to nothing.
     # A float16 or bfloat16 cache is read as the float32 values it holds.
@@ -246,7 +319,7 @@ def test_decode_attention_equals_reference(
 
 @needs_kernel
 @pytest.mark.parametrize("op", ATTENTION_OPS)
-def test_decode_attention_is_as_accurate_as_the_reference(kernel: None, op: str) -> None:
+def test_decode_attention_is_as_accurate_as_the_reference(isa: dict[str, str], op: str) -> None:
     # Large scores: exp underflows for all but a few keys, and a score's float32 rounding moves its
     # weight visibly; tiny scores: nearly uniform weights. Both against float64 attention: the
     # kernel's error stays within that of the float32 reference.
@@ -354,8 +427,8 @@ def test_attention_kernel_is_float32_cpu_only(kernel: None, tmp_path: Path) -> N
 
 
 @needs_kernel
-@pytest.mark.parametrize("n", [1, 5, 16, 17, 100, 49152, 49153])
-def test_argmax_rows_equals_torch_max_indices(kernel: None, n: int) -> None:
+@pytest.mark.parametrize("n", [1, 5, 8, 9, 16, 17, 100, 49152, 49153])
+def test_argmax_rows_equals_torch_max_indices(isa: dict[str, str], n: int) -> None:
     g = torch.Generator().manual_seed(n)
     x = torch.randn(8, n, generator=g)
     x[1] = -float("inf")  # every token masked out
@@ -369,3 +442,21 @@ def test_argmax_rows_equals_torch_max_indices(kernel: None, n: int) -> None:
     assert torch.equal(got, x.max(-1).indices)
     assert torch.equal(cpu_kernels.argmax_rows(x), got)
     assert torch.equal(cpu_kernels.argmax_rows(x.double()), x.max(-1).indices)  # other dtypes: torch
+
+
+@needs_kernel
+def test_the_driver_reports_its_kernels_variants(
+    kernel: None, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # In the log at start, the handshake's driver_info and health, as the cap sets them.
+    ckpt = load_dir(write_tiny_llama(tmp_path / "m"))
+    best = cpu_kernels.variants()
+    with caplog.at_level(logging.INFO, logger="drivers.torch.driver"):
+        drv = TorchDriver(ckpt, DriverOptions(weights="w8a8", num_pages=8))
+    line = f"w8a8 {best['w8a8']}, decode_attention {best['decode_attention']}, argmax {best['argmax']}"
+    assert f"CPU kernels: {line}; CPU supports portable" in caplog.text
+    info = drv.handshake(Hello()).driver_info
+    assert info["device"] == "cpu" and info["weights"] == "w8a8"
+    assert str(info["cpu_kernels"]).startswith(line)
+    with cpu_kernels.limit_isa("portable"):
+        assert str(drv.health()["cpu_kernels"]).startswith("w8a8 portable, decode_attention portable")

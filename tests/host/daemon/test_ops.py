@@ -22,6 +22,7 @@ def test_health(server: Server) -> None:
     engine = body["engine"]
     assert isinstance(engine, dict)
     assert engine["model"] == "dummy" and engine["max_context"] == 512
+    assert engine["driver_info"] == {"device": "none (the dummy driver computes nothing)"}  # the handshake's
     assert "speculation_hits" in engine["speculation"]
     assert "running" in body["runs"]  # type: ignore[operator]
 

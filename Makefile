@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 # One thread for torch and BLAS in tests: on 2 cores, two threads collapse when anything else runs.
 TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TORCH_NUM_THREADS=1
 
-.PHONY: run demo test lint bench bench-decode venv clean
+.PHONY: run demo test lint bench bench-decode gpu-check venv clean
 
 $(STAMP): pyproject.toml
 	@echo "==> bootstrapping $(VENV) (first run takes a few minutes)"
@@ -49,6 +49,13 @@ bench: $(STAMP)
 bench-decode: $(STAMP)  # SmolLM2: decode vs transformers, prefix reuse and spec_ngram (several minutes)
 	$(PY) bench/decode.py
 	$(PY) bench/prefix_spec.py
+
+# On a machine with a CUDA GPU (never in CI): the Triton kernel tests compiled for CUDA, SmolLM2's
+# greedy tokens on the GPU against the CPU path's, and bench/decode.py --device cuda (~5 minutes).
+# Needs a CUDA build of torch in the venv; untested on hardware so far (no GPU lent yet).
+gpu-check: $(STAMP)
+	TRITON_INTERPRET=0 $(PY) -m pytest -q -p no:cacheprovider tests/drivers/torch/test_triton_kernel.py
+	$(PY) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,15 +1,20 @@
 """SmolLM2 prefill and decode throughput of the torch driver at batch 1, 8 and 32, side by side
 in one run with Hugging Face `transformers` `generate` on the same prompts, weights and dtype, and
-with the memory-bandwidth bound (weight bytes read per decode step / measured read bandwidth).
+with the memory-bandwidth bound (weight bytes read per decode step / measured read bandwidth);
+`--peer llamacpp` adds llama.cpp (the `llama-cpp-python` package, built from its sdist on this
+machine: `pip install 'llama-cpp-python==0.3.36'`, a bench-only extra) on the same GGUF, batch 1.
+Prints the CPU it ran on and which variant each C++ kernel runs.
 
-    python bench/decode.py [--threads N] [--dtype float32,float32+w8a8+compile] [--batches 1,8,32] [--json PATH]
+    python bench/decode.py [--threads N] [--dtype float32,float32+w8a8+compile] [--batches 1,8,32]
+                           [--peer llamacpp] [--json PATH]
 
-Each --dtype entry is DTYPE[+WEIGHTS][+compile][+torchmm][+torchattn][+unpacked][+kv16]: the
+Each --dtype entry is DTYPE[+WEIGHTS][+compile][+torchmm][+torchattn][+unpacked][+kv16][+ISA]: the
 activation dtype, the weight kind (int8, w8a8; dense when absent), whether the driver runs its
 compiled path, (torchmm) whether w8a8 keeps the torch matmul path instead of the C++ kernel,
 (torchattn) whether float32 decode keeps the torch attention path instead of the C++ kernel,
 (unpacked) whether int8 weights stay one tensor each instead of one buffer on huge pages, and
-(kv16) a float16 KV cache. transformers runs once per
+(kv16) a float16 KV cache, (ISA: avx2, avx2_vnni, portable, ...) the C++ kernels capped at that
+instruction-set level (the AVX2 variants measured on an AVX-512 machine). transformers runs once per
 activation dtype and batch, on the same prompts as every entry. Prints a table and writes JSON.
 Not part of the test run.
 """
@@ -17,6 +22,7 @@ Not part of the test run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -33,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bridge_schema.batch import OutputSpec, RequestSpec, build_forward
 from bridge_schema.messages import Hello
-from drivers.torch import weight_arena
+from drivers.torch import cpu_kernels, weight_arena
 from drivers.torch.checkpoint import Checkpoint, load_checkpoint
 from drivers.torch.driver import DTYPES, DriverOptions, TorchDriver
 
@@ -159,10 +165,22 @@ def best_of(repeats: int, run: Callable[[], tuple[float, float]]) -> tuple[float
     return max(r[0] for r in results), max(r[1] for r in results)
 
 
+_FLAGS = ("compile", "torchmm", "torchattn", "unpacked", "kv16", *cpu_kernels.ISAS)
+
+
+def isa_of(spec: str) -> str:
+    """The instruction-set cap of a --dtype entry (the highest level when it names none)."""
+    return next((f for f in spec.split("+")[1:] if f in cpu_kernels.ISAS), cpu_kernels.ISAS[-1])
+
+
 def make_driver(ckpt: Checkpoint, spec: str, device: str, num_pages: int) -> TorchDriver:
-    """A driver for one --dtype entry, after its handshake."""
+    """A driver for one --dtype entry, after its handshake (built under the entry's ISA cap, which
+    the caller keeps while it runs: the cap is per process)."""
     act, *flags = spec.split("+")
-    weights = next((f for f in flags if f not in ("compile", "torchmm", "torchattn", "unpacked", "kv16")), "dense")
+    unknown = [f for f in flags if f not in _FLAGS and f not in ("int8", "w8a8")]
+    if unknown:
+        raise SystemExit(f"unknown flag {unknown[0]!r} in --dtype entry {spec!r}")
+    weights = next((f for f in flags if f not in _FLAGS), "dense")
     options = DriverOptions(
         device=device,
         dtype=act,
@@ -184,10 +202,12 @@ def interleaved(args: argparse.Namespace, ckpt: Checkpoint) -> None:
     both bandwidth probes, then each entry's prefill and decode); medians over the rounds."""
     specs = args.dtype.split(",")
     pages = (args.prompt_len + args.new_tokens + 15) // 16
-    drivers = {spec: make_driver(ckpt, spec, args.device, pages) for spec in specs}
+    drivers = {}
     rng = np.random.default_rng(0)
-    for drv in drivers.values():
-        bench_ours(drv, [rng.integers(0, 49152, 8).tolist()], 2)  # warm up
+    for spec in specs:
+        with capped(spec):
+            drivers[spec] = make_driver(ckpt, spec, args.device, pages)
+            bench_ours(drivers[spec], [rng.integers(0, 49152, 8).tolist()], 2)  # warm up
     rates: dict[str, list[float]] = {spec: [] for spec in specs}
     probes: dict[str, list[float]] = {"normal": [], "huge": []}
     load_start = os.getloadavg()
@@ -197,7 +217,8 @@ def interleaved(args: argparse.Namespace, ckpt: Checkpoint) -> None:
         prompt = [rng.integers(0, 49152, args.prompt_len).tolist()]
         order = specs if r % 2 == 0 else specs[::-1]
         for spec in order:
-            rates[spec].append(bench_ours(drivers[spec], prompt, args.new_tokens)[1])
+            with capped(spec):
+                rates[spec].append(bench_ours(drivers[spec], prompt, args.new_tokens)[1])
     load_end = os.getloadavg()
     probe = {k: float(np.median(v)) for k, v in probes.items()}
     print(f"load average {load_start} at the start, {load_end} at the end")
@@ -223,6 +244,69 @@ def interleaved(args: argparse.Namespace, ckpt: Checkpoint) -> None:
     print(f"wrote {out}")
 
 
+def capped(spec: str) -> contextlib.AbstractContextManager[object]:
+    """The entry's ISA cap on the C++ kernels (nothing where they are not built)."""
+    if cpu_kernels.load(show_progress=False):
+        return cpu_kernels.limit_isa(isa_of(spec))
+    return contextlib.nullcontext()
+
+
+def cpu_description() -> dict[str, object]:
+    """The CPU model, its vector features, and which variant each C++ kernel runs."""
+    model, flags = platform.processor() or platform.machine(), set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == (platform.processor() or platform.machine()):
+                model = value.strip()
+            if key.strip() in ("flags", "Features") and not flags:
+                flags = set(value.split())
+    vector = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "asimd", "sve", "neon")))
+    loaded = cpu_kernels.load(show_progress=False)
+    return {
+        "model": model,
+        "features": vector,
+        "kernel_isas": cpu_kernels.cpu_isas() if loaded else [],
+        "kernels": cpu_kernels.variants() if loaded else {},
+    }
+
+
+def bench_llamacpp(prompt: list[int], new_tokens: int, threads: int) -> tuple[float, float]:
+    """llama.cpp on the same GGUF and prompt, greedy: prefill and decode tokens/s at batch 1."""
+    from llama_cpp import Llama
+
+    from drivers.torch.gguf_loader import smollm2_path
+
+    llm = _llamacpp_models.get(threads)
+    if llm is None:
+        llm = Llama(model_path=str(smollm2_path()), n_ctx=1024, n_threads=threads, n_batch=512, verbose=False)
+        _llamacpp_models[threads] = llm
+    llm.reset()
+    times = []
+    t = time.perf_counter()
+    for _ in llm.generate(prompt, temp=0.0, reset=True):
+        times.append(time.perf_counter())
+        if len(times) > new_tokens:
+            break
+    return len(prompt) / (times[0] - t), new_tokens / (times[-1] - times[0])
+
+
+_llamacpp_models: dict[int, object] = {}
+
+
+def peer_rows(args: argparse.Namespace, prompt: list[int]) -> list[dict[str, object]]:
+    if args.peer != "llamacpp":
+        return []
+    try:
+        import llama_cpp
+    except ImportError:
+        raise SystemExit("--peer llamacpp needs llama-cpp-python: pip install 'llama-cpp-python==0.3.36'") from None
+    p, d = best_of(args.repeats, functools.partial(bench_llamacpp, prompt, args.new_tokens, torch.get_num_threads()))
+    print(f" llama.cpp B=1   prefill {p:8.1f} tok/s  decode {d:7.1f} tok/s ({llama_cpp.__version__})", flush=True)
+    return [{"peer": "llama.cpp", "version": llama_cpp.__version__, "batch": 1, "prefill_tok_s": p, "decode_tok_s": d}]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="default: all cores")
@@ -237,6 +321,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2, help="best of N runs per measurement")
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--peer", choices=["", "llamacpp"], default="", help="llamacpp: llama.cpp side by side")
     parser.add_argument(
         "--interleave", type=int, default=0, help="N rounds of batch-1 decode alternating the entries (no transformers)"
     )
@@ -247,6 +332,9 @@ def main() -> None:
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     print(f"threads: {torch.get_num_threads()} (of {os.cpu_count()} cores); torch {torch.__version__}", flush=True)
+    cpu = cpu_description()
+    print(f"CPU: {cpu['model']}; features: {' '.join(cpu['features'])}", flush=True)  # type: ignore[arg-type]
+    print(f"C++ kernels: {cpu['kernels']} (CPU levels {cpu['kernel_isas']})", flush=True)
     ckpt = load_checkpoint("smollm2")
     if args.interleave:
         interleaved(args, ckpt)
@@ -259,7 +347,10 @@ def main() -> None:
     hf: dict[tuple[str, int], tuple[float, float]] = {}  # (activation dtype, batch) -> rates
     twins: dict[str, torch.nn.Module] = {}
     rows = []
+    peers = peer_rows(args, prompts[1][0] if 1 in prompts else prompts[batches[0]][0])
     for spec in args.dtype.split(","):
+        cap = capped(spec)
+        cap.__enter__()
         act = spec.split("+")[0]
         pages = max(batches) * ((args.prompt_len + args.new_tokens + 15) // 16)
         start = time.perf_counter()
@@ -298,6 +389,8 @@ def main() -> None:
                 f"(hf {hf_d:7.1f}, bound {bound_steps * b:7.1f}, {ours_d / (bound_steps * b):4.0%} of bound)",
                 flush=True,
             )
+        cap.__exit__(None, None, None)
+        del drv
     print()
     print("| dtype | batch | prefill tok/s | hf prefill | decode tok/s | hf decode | bound | % of bound | vs hf |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -307,6 +400,18 @@ def main() -> None:
             f"{r['decode_tok_s']:.1f} | {r['hf_decode_tok_s']:.1f} | {r['decode_bound_tok_s']:.1f} | "
             f"{r['decode_tok_s'] / r['decode_bound_tok_s']:.0%} | {r['decode_tok_s'] / r['hf_decode_tok_s']:.2f}x |"
         )
+    for peer in peers:
+        print()
+        print(f"| dtype | prefill tok/s | prefill vs {peer['peer']} | decode tok/s (B=1) | decode vs {peer['peer']} |")
+        print("|---|---|---|---|---|")
+        name, pre, dec = f"{peer['peer']} {peer['version']}", peer["prefill_tok_s"], peer["decode_tok_s"]
+        print(f"| {name} | {pre:.0f} | 1.00x | {dec:.1f} | 1.00x |")
+        for r in rows:
+            if r["batch"] == 1:
+                print(
+                    f"| {r['dtype']} | {r['prefill_tok_s']:.0f} | {r['prefill_tok_s'] / peer['prefill_tok_s']:.2f}x | "  # type: ignore[operator]
+                    f"{r['decode_tok_s']:.1f} | {r['decode_tok_s'] / peer['decode_tok_s']:.2f}x |"  # type: ignore[operator]
+                )
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -320,8 +425,9 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
         "load_average": os.getloadavg(),
+        "cpu": cpu,
     }
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    out.write_text(json.dumps({"meta": meta, "rows": rows, "peers": peers}, indent=2))
     print(f"wrote {out}")
 
 

@@ -9,6 +9,7 @@ import torch
 
 from drivers.errors import ConfigRejected
 from drivers.serve import add_serve_arguments, configure_logging, serve_forever
+from drivers.torch import cpu_kernels
 from drivers.torch.checkpoint import load_checkpoint
 from drivers.torch.driver import DTYPES, DriverOptions, TorchDriver
 from drivers.torch.quantize import WEIGHT_KINDS
@@ -48,11 +49,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-requests-per-pass", type=int, default=d.max_requests_per_pass)
     parser.add_argument("--max-tokens-per-pass", type=int, default=d.max_tokens_per_pass)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    parser.add_argument(
+        "--cpu-isa",
+        default="",
+        choices=["", *cpu_kernels.ISAS],
+        help="cap the C++ CPU kernels at this instruction-set level (default: the best the CPU has)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.cpu_isa and cpu_kernels.load():
+        cpu_kernels.set_isa_cap(args.cpu_isa)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: this torch build has no CUDA device")
     options = DriverOptions(
@@ -74,6 +83,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"python -m drivers.torch: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     print(f"[wafer torch] {driver.ckpt.model_name} ready on {args.device} ({args.dtype})", file=sys.stderr, flush=True)
+    hint = driver.faster_configuration()
+    if hint:
+        print(f"[wafer torch] {hint}", file=sys.stderr, flush=True)
     serve_forever(driver, args.listen, args.max_frame_bytes)
 
 

@@ -186,6 +186,20 @@ class TorchDriver:
             driver_info=self.info(),
         )
 
+    def faster_configuration(self) -> str:
+        """What to pass for faster decode on this CPU, or "" when this already is the fast path
+        (w8a8 with a vector kernel, compiled) or none is known (not the CPU, not float32)."""
+        o = self.options
+        if self.device.type != "cpu" or o.dtype != "float32" or (o.weights == "w8a8" and o.compile):
+            return ""
+        if not cpu_kernels.load() or (variant := cpu_kernels.variants()["w8a8"]) == "portable":
+            return ""
+        flags = ([] if o.weights == "w8a8" else ["--weights w8a8"]) + ([] if o.compile else ["--compile"])
+        return (
+            f"faster on this CPU: {' '.join(flags)} (int8 matmuls run the {variant} kernel here; w8a8 costs some "
+            "accuracy and --compile tens of seconds at the first start: docs/torch-driver.md)"
+        )
+
     def info(self) -> dict[str, int | float | str]:
         """The handshake's `driver_info` and part of `health`: what this driver runs on."""
         o = self.options

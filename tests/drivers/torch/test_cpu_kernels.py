@@ -460,3 +460,16 @@ def test_the_driver_reports_its_kernels_variants(
     assert str(info["cpu_kernels"]).startswith(line)
     with cpu_kernels.limit_isa("portable"):
         assert str(drv.health()["cpu_kernels"]).startswith("w8a8 portable, decode_attention portable")
+
+
+@needs_kernel
+def test_the_driver_names_the_faster_configuration(kernel: None, tmp_path: Path) -> None:
+    ckpt = load_dir(write_tiny_llama(tmp_path / "m"))
+    hint = TorchDriver(ckpt, DriverOptions(num_pages=8)).faster_configuration()
+    assert hint.startswith("faster on this CPU: --weights w8a8 --compile (int8 matmuls run the ")
+    assert f"the {cpu_kernels.variants()['w8a8']} kernel" in hint
+    w8a8 = TorchDriver(ckpt, DriverOptions(weights="w8a8", num_pages=8)).faster_configuration()
+    assert w8a8.startswith("faster on this CPU: --compile (")
+    assert TorchDriver(ckpt, DriverOptions(dtype="bfloat16", num_pages=8)).faster_configuration() == ""
+    with cpu_kernels.limit_isa("portable"):  # no fast int8 kernel: nothing to suggest
+        assert TorchDriver(ckpt, DriverOptions(num_pages=8)).faster_configuration() == ""

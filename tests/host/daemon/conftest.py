@@ -96,7 +96,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     )
     daemon = Daemon(config)
     app = create_app(config, daemon)
-    uv = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_config=None, access_log=False))
+    # Keep-alive past any pause between tests: uvicorn closes an idle connection after 5 s by
+    # default, and a client (max_retries=0) that sends on its pooled connection just as the server
+    # closes it loses the request ("connection error"); a loaded machine makes such pauses common.
+    uv = uvicorn.Server(
+        uvicorn.Config(
+            app, host=config.host, port=config.port, log_config=None, access_log=False, timeout_keep_alive=600
+        )
+    )
     thread = threading.Thread(target=uv.run, name="test-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 120

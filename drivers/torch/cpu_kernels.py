@@ -106,14 +106,22 @@ def _build(show_progress: bool) -> bool:
     return True
 
 
+def _ops() -> object:
+    """The kernels' op namespace, loading them first; a clear error where they cannot be built."""
+    if not load(show_progress=False):
+        raise RuntimeError("the C++ CPU kernels are not built here (the log says why)")
+    return torch.ops.wafer
+
+
 def cpu_isas() -> list[str]:
-    """The instruction-set levels this CPU supports (of ISAS), lowest first; needs `load()`."""
-    return list(torch.ops.wafer.cpu_isas())
+    """The instruction-set levels this CPU supports (of ISAS), lowest first."""
+    return list(_ops().cpu_isas())  # type: ignore[attr-defined]
 
 
 def variants() -> dict[str, str]:
-    """Which variant each kernel runs now (the best the CPU has, under the cap); needs `load()`."""
-    return {name: str(getattr(torch.ops.wafer, f"{name}_variant")()) for name in KERNELS}
+    """Which variant each kernel runs now (the best the CPU has, under the cap)."""
+    ops = _ops()
+    return {name: str(getattr(ops, f"{name}_variant")()) for name in KERNELS}
 
 
 def set_isa_cap(name: str) -> str:
@@ -121,7 +129,7 @@ def set_isa_cap(name: str) -> str:
     A cap above what the CPU has changes nothing; an unknown name raises ValueError."""
     if name not in ISAS:
         raise ValueError(f"unknown instruction-set level {name!r}: one of {', '.join(ISAS)}")
-    return str(torch.ops.wafer.set_isa_cap(name))
+    return str(_ops().set_isa_cap(name))  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager

@@ -473,3 +473,12 @@ def test_the_driver_names_the_faster_configuration(kernel: None, tmp_path: Path)
     assert TorchDriver(ckpt, DriverOptions(dtype="bfloat16", num_pages=8)).faster_configuration() == ""
     with cpu_kernels.limit_isa("portable"):  # no fast int8 kernel: nothing to suggest
         assert TorchDriver(ckpt, DriverOptions(num_pages=8)).faster_configuration() == ""
+
+
+def test_the_variant_queries_load_the_kernels_or_say_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    for query in (cpu_kernels.cpu_isas, cpu_kernels.variants, lambda: cpu_kernels.set_isa_cap("avx2")):
+        with pytest.raises(RuntimeError, match="C\\+\\+ CPU kernels are not built here"):
+            query()
+    assert cpu_kernels.describe() == "C++ CPU kernels not built: torch paths"

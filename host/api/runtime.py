@@ -23,11 +23,13 @@ def run_id(run: RunState) -> int:
 
 @host_function
 def emit(run: RunState, chunk: str) -> None:
+    run.charge_output(chunk)
     run.io.emit(chunk)
 
 
 @host_function
 def send(run: RunState, message: str) -> None:
+    run.charge_output(message)
     run.io.send(message)
 
 

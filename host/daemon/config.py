@@ -18,7 +18,7 @@ from typing import Any
 
 from bridge_schema.messages import MAX_DECODE_STEPS
 from host.daemon.errors import ConfigError
-from host.sandbox.config import MIB, default_cache_dir
+from host.sandbox.config import MIB, SandboxConfig, default_cache_dir
 
 BUILTIN_DRIVERS = ("dummy", "torch")
 LOG_FORMATS = ("json", "text")
@@ -41,6 +41,8 @@ class DaemonConfig:
     run_memory_mib: int = 256
     run_timeout_s: float = 600.0
     run_watchdog_s: float = 30.0
+    run_max_output_mib: int = 64  # what one run may emit and send, together
+    run_max_inbound_mib: int = 16  # client messages waiting for one run
     max_upload_bytes: int = 64 * MIB
     max_request_bytes: int = 4 * MIB
     driver_startup_timeout_s: float = 300.0  # a first --compile start: kernels ~20 s, compiling ~70 s
@@ -63,6 +65,17 @@ class DaemonConfig:
         if self.driver == "torch" and self.model:
             return ("--model", self.model, *self.driver_args)
         return self.driver_args
+
+    def sandbox_config(self) -> SandboxConfig:
+        """The per-run limits of the sandbox, from this configuration."""
+        return SandboxConfig(
+            cache_dir=self.cache_dir,
+            memory_limit_bytes=self.run_memory_mib * MIB,
+            inactivity_timeout_s=self.run_watchdog_s,
+            wall_budget_s=self.run_timeout_s,
+            max_output_bytes=self.run_max_output_mib * MIB,
+            max_inbound_bytes=self.run_max_inbound_mib * MIB,
+        )
 
     @property
     def url(self) -> str:
@@ -192,6 +205,8 @@ def _check(c: DaemonConfig) -> None:
         "max_decode_steps": 1,
         "max_concurrent_runs": 1,
         "run_memory_mib": 16,  # componentize-py's interpreter alone needs about 12 MiB
+        "run_max_output_mib": 1,
+        "run_max_inbound_mib": 1,
         "max_upload_bytes": 1,
         "max_request_bytes": 1024,
         "drain_timeout_s": 0,

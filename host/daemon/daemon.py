@@ -20,8 +20,7 @@ from host.daemon.runs import RunRegistry
 from host.daemon.supervisor import DriverState, Supervisor
 from host.engine import Engine
 from host.errors import HostError
-from host.sandbox import Sandbox, SandboxConfig
-from host.sandbox.config import MIB
+from host.sandbox import Sandbox
 
 log = logging.getLogger("wafer.daemon")
 
@@ -61,13 +60,7 @@ class Daemon:
 
     def start(self) -> None:
         """Blocking: builds (or finds cached) the chat inferlet, then starts the driver."""
-        sandbox_config = SandboxConfig(
-            cache_dir=self.config.cache_dir,
-            memory_limit_bytes=self.config.run_memory_mib * MIB,
-            inactivity_timeout_s=self.config.run_watchdog_s,
-            wall_budget_s=self.config.run_timeout_s,
-        )
-        self.sandbox = Sandbox(sandbox_config)
+        self.sandbox = Sandbox(self.config.sandbox_config())
         try:
             result = build(CHAT_INFERLET, self.config.cache_dir, lambda msg: log.info("chat inferlet: %s", msg))
             self._chat = self.sandbox.load(result.wasm_path)

@@ -8,6 +8,7 @@ DaemonError                  root of everything the daemon raises
     ├── Forbidden            403: the endpoint is disabled by the configuration
     ├── NotFound             404: unknown model, inferlet or run
     ├── PayloadTooLarge      413: the body exceeds the configured limit
+    ├── RunInboxFull         413: a run's waiting messages would pass run_max_inbound_mib
     ├── TooManyRuns          429: every run slot is taken
     ├── DriverUnavailable    503: the driver is down or restarting
     └── GenerationFailed     502: the run failed for a reason that is not the client's
@@ -73,6 +74,16 @@ class PayloadTooLarge(ApiError):
 
     def __init__(self, limit_bytes: int) -> None:
         super().__init__(f"request body exceeds the limit of {limit_bytes} bytes", code="request_too_large")
+
+
+class RunInboxFull(ApiError):
+    """A message to a run that has not received enough of the earlier ones."""
+
+    status = 413
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="message", code="inbox_full")
 
 
 class TooManyRuns(ApiError):

@@ -15,8 +15,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 from host.daemon.daemon import CHAT_INFERLET, ENGINE_WAIT_S
-from host.daemon.errors import InvalidRequest
+from host.daemon.errors import InvalidRequest, RunInboxFull
 from host.daemon.http_util import SSE_HEADERS, daemon_of, key_id_of, parse_body, sse
+from host.sandbox.errors import InboxFull
 
 router = APIRouter(tags=["inferlets"])
 
@@ -137,7 +138,10 @@ async def send_message(request: Request, run_id: int) -> dict[str, Any]:
     if record.outcome is not None:
         raise InvalidRequest(f"run {run_id} has ended ({record.state.value})", param="run_id", code="run_ended")
     if body.message is not None:
-        record.log.push(body.message)
+        try:
+            record.log.push(body.message)
+        except InboxFull as exc:
+            raise RunInboxFull(f"run {run_id} is not receiving: {exc} (run_max_inbound_mib)") from None
     if body.close:
         record.log.close_inbox()
     return record.describe()

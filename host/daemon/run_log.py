@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from host.sandbox.config import MIB
 from host.sandbox.run_io import Inbox
 
 log = logging.getLogger("wafer.run")
@@ -32,7 +33,7 @@ class RunEvent:
 class RunLog:
     """Thread-safe event log and inbox of one run. `follow` is called on `loop`."""
 
-    def __init__(self, run_label: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, run_label: str, loop: asyncio.AbstractEventLoop, max_inbound_bytes: int = 16 * MIB) -> None:
         self._label = run_label
         self._loop = loop
         self._lock = threading.Lock()
@@ -41,7 +42,7 @@ class RunLog:
         self._is_ended = False
         self._changed = asyncio.Event()
         self._is_notify_queued = False  # a `_notify` is on its way to the loop: no need for another
-        self._inbox = Inbox()
+        self._inbox = Inbox(max_inbound_bytes)
 
     # ------------------------------------------------------------------ RunIO (run thread)
 

@@ -25,8 +25,7 @@ from host.daemon.logs import request_id_var
 from host.daemon.run_log import RunLog
 from host.daemon.supervisor import Supervisor
 from host.engine import Engine
-from host.sandbox import RunHandle, RunOutcome, RunStatus, Sandbox, SandboxConfig
-from host.sandbox.config import MIB
+from host.sandbox import RunHandle, RunOutcome, RunStatus, Sandbox
 
 log = logging.getLogger("wafer.daemon.runs")
 
@@ -48,6 +47,7 @@ _STATE_OF = {
     RunStatus.GUEST_ERROR: RunState.FAILED,
     RunStatus.TRAPPED: RunState.FAILED,
     RunStatus.TIMED_OUT: RunState.TIMED_OUT,
+    RunStatus.LIMIT_EXCEEDED: RunState.FAILED,
     RunStatus.CANCELLED: RunState.CANCELLED,
 }
 
@@ -115,12 +115,7 @@ class RunRegistry:
         self._num_running = 0
         self._num_ended: dict[RunState, int] = dict.fromkeys(RunState, 0)
         self._is_draining = False
-        self._run_config = SandboxConfig(
-            cache_dir=config.cache_dir,
-            memory_limit_bytes=config.run_memory_mib * MIB,
-            inactivity_timeout_s=config.run_watchdog_s,
-            wall_budget_s=config.run_timeout_s,
-        )
+        self._run_config = config.sandbox_config()
 
     # ------------------------------------------------------------------ starting
 
@@ -146,7 +141,7 @@ class RunRegistry:
             args, prepared = prepare(engine)
             self._admit()
             try:
-                run_log = RunLog(f"a {kind} run", loop)
+                run_log = RunLog(f"a {kind} run", loop, self._run_config.max_inbound_bytes)
                 handle = self._sandbox.start(component, engine, list(args), io=run_log, config=self._run_config)
             except BaseException:
                 with self._lock:

@@ -18,13 +18,17 @@ def default_cache_dir() -> Path:
 @dataclass(frozen=True, slots=True)
 class SandboxConfig:
     """Per-run limits. `inactivity_timeout_s` bounds guest time between two host calls (the epoch
-    watchdog); `wall_budget_s` bounds the whole run, host calls included."""
+    watchdog); `wall_budget_s` bounds the whole run, host calls included; `max_output_bytes`
+    bounds what the run emits and sends (UTF-8 bytes, together), `max_inbound_bytes` the client
+    messages waiting for it: the host keeps both, outside the guest's memory cap."""
 
     cache_dir: Path
     memory_limit_bytes: int = 256 * MIB
     inactivity_timeout_s: float = 5.0
     wall_budget_s: float = 600.0
     epoch_tick_s: float = 0.01
+    max_output_bytes: int = 64 * MIB
+    max_inbound_bytes: int = 16 * MIB
 
     def __post_init__(self) -> None:
         # componentize-py's CPython needs about 12.3 MiB before running a line of user code.
@@ -32,6 +36,8 @@ class SandboxConfig:
             raise ValueError(f"memory_limit_bytes must be at least 16 MiB, got {self.memory_limit_bytes}")
         if self.inactivity_timeout_s <= 0 or self.wall_budget_s <= 0 or self.epoch_tick_s <= 0:
             raise ValueError("timeouts and the epoch tick must be positive")
+        if self.max_output_bytes <= 0 or self.max_inbound_bytes <= 0:
+            raise ValueError("max_output_bytes and max_inbound_bytes must be positive")
 
     @property
     def compiled_dir(self) -> Path:

@@ -11,6 +11,7 @@ class RunStatus(enum.Enum):
     GUEST_ERROR = "guest_error"  # the inferlet returned an error or raised
     TRAPPED = "trapped"  # wasm trap: unreachable, stack overflow, out of memory...
     TIMED_OUT = "timed_out"  # inactivity watchdog or wall-clock budget
+    LIMIT_EXCEEDED = "limit_exceeded"  # a byte limit (output, messages): the error names it
     CANCELLED = "cancelled"
 
 

@@ -108,9 +108,11 @@ class Run:
         if state.stop_reason == "cancelled" or state.cancel_requested.is_set():
             return RunStatus.CANCELLED, "cancelled"
         if state.stop_reason is not None:
-            return RunStatus.TIMED_OUT, state.stop_reason
+            return state.stop_status, state.stop_reason
         if "interrupt" in message:
-            if state.remaining_s() <= 0:
+            # The tick that fires may come a moment before the deadline it stands for: which
+            # deadline was armed says which limit this is.
+            if state.is_wall_deadline_armed or state.remaining_s() <= 0:
                 return RunStatus.TIMED_OUT, f"wall-clock budget of {state.config.wall_budget_s:g} s exhausted"
             return RunStatus.TIMED_OUT, (
                 f"guest ran {state.config.inactivity_timeout_s:g} s without calling the host (watchdog)"

@@ -8,6 +8,9 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
+from host.sandbox.config import MIB
+from host.sandbox.errors import InboxFull
+
 _log = logging.getLogger("wafer.run")
 
 _CLOSED = object()
@@ -29,12 +32,25 @@ class RunIO(Protocol):
 
 class Inbox:
     """Client messages waiting for the run: `push` and `close` from the client's side, a blocking
-    `receive` on the run's thread."""
+    `receive` on the run's thread. Waiting messages hold at most `max_bytes` (UTF-8): a run that
+    never receives cannot make the host keep what its clients send without bound."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int = 16 * MIB) -> None:
         self._queue: queue.Queue[object] = queue.Queue()
+        self._max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._pending_bytes = 0
 
     def push(self, message: str) -> None:
+        """Queue `message`; InboxFull (nothing queued) past the limit."""
+        size = len(message.encode("utf-8", "surrogatepass"))
+        with self._lock:
+            if self._pending_bytes + size > self._max_bytes:
+                raise InboxFull(
+                    f"the run has {self._pending_bytes} bytes of messages it has not received; this one "
+                    f"({size} bytes) would pass the limit of {self._max_bytes} bytes"
+                )
+            self._pending_bytes += size
         self._queue.put(message)
 
     def close(self) -> None:
@@ -50,18 +66,20 @@ class Inbox:
             self._queue.put(_CLOSED)  # later receives see the close too
             return None
         assert isinstance(item, str)
+        with self._lock:
+            self._pending_bytes -= len(item.encode("utf-8", "surrogatepass"))
         return item
 
 
 class BufferedRunIO:
     """Collects output and sent messages; `on_chunk` sees each output chunk as it arrives."""
 
-    def __init__(self, on_chunk: Callable[[str], None] | None = None) -> None:
+    def __init__(self, on_chunk: Callable[[str], None] | None = None, max_inbound_bytes: int = 16 * MIB) -> None:
         self._on_chunk = on_chunk
         self._lock = threading.Lock()
         self._chunks: list[str] = []
         self.sent: list[str] = []
-        self._inbox = Inbox()
+        self._inbox = Inbox(max_inbound_bytes)
 
     @property
     def output(self) -> str:

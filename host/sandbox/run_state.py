@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import wasmtime
 
 from host.sandbox.config import SandboxConfig
+from host.sandbox.outcome import RunStatus
 from host.sandbox.resources import ResourceTable
 from host.sandbox.run_io import RunIO
 from host.services import Services
@@ -34,9 +35,13 @@ class RunState:
     # The store context of the host call in progress: handles must be resolved through the
     # call's own context (through the Store, a second borrow in one call trips a wasmtime bug).
     call_context: wasmtime.StoreContext | None = None
-    # Why the run was stopped by the host (cancel, budget), kept here because a host function can
-    # only raise a bare WasmtimeError across the boundary.
+    # Why the run was stopped by the host (cancel, budget, a byte limit) and how to report it,
+    # kept here because a host function can only raise a bare WasmtimeError across the boundary.
     stop_reason: str | None = None
+    stop_status: RunStatus = RunStatus.TIMED_OUT
+    # Whether the epoch deadline armed last is the wall clock's (not the inactivity window's).
+    is_wall_deadline_armed: bool = False
+    output_bytes: int = 0  # emitted and sent so far (UTF-8)
     stderr_chunks: list[bytes] = field(default_factory=list)
     # Where the run's time goes (benchmarks): host calls made, seconds inside host functions,
     # seconds of those spent waiting for forward passes, and when the first host call came.
@@ -74,8 +79,26 @@ class RunState:
     def rearm_watchdog(self) -> None:
         """Give the guest a fresh inactivity window, never past the wall-clock budget."""
         assert self.store is not None
-        window_s = min(self.config.inactivity_timeout_s, max(self.remaining_s(), 0.0))
+        remaining_s = max(self.remaining_s(), 0.0)
+        self.is_wall_deadline_armed = remaining_s <= self.config.inactivity_timeout_s
+        window_s = min(self.config.inactivity_timeout_s, remaining_s)
         self.store.set_epoch_deadline(self.config.ticks(window_s))
+
+    def stop(self, reason: str, status: RunStatus) -> wasmtime.WasmtimeError:
+        """Record why the host ends the run; the error for the host function to raise."""
+        self.stop_reason, self.stop_status = reason, status
+        return wasmtime.WasmtimeError(reason)
+
+    def charge_output(self, text: str) -> None:
+        """Count `text` (an emit or a send) against the run's output limit; past it, end the run."""
+        self.output_bytes += len(text.encode("utf-8", "surrogatepass"))
+        limit = self.config.max_output_bytes
+        if self.output_bytes > limit:
+            raise self.stop(
+                f"output limit exceeded: the run emitted and sent more than {limit} bytes "
+                "(the daemon's run_max_output_mib)",
+                RunStatus.LIMIT_EXCEEDED,
+            )
 
     def check_can_continue(self) -> None:
         """Stop the guest at a host call if it was cancelled or is out of time."""
@@ -83,8 +106,7 @@ class RunState:
             self.stop_reason = "cancelled"
             raise wasmtime.WasmtimeError("run cancelled")
         if self.remaining_s() <= 0:
-            self.stop_reason = f"wall-clock budget of {self.config.wall_budget_s:g} s exhausted"
-            raise wasmtime.WasmtimeError(self.stop_reason)
+            raise self.stop(f"wall-clock budget of {self.config.wall_budget_s:g} s exhausted", RunStatus.TIMED_OUT)
 
 
 def bind_current(state: RunState | None) -> None:

@@ -86,6 +86,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             "driver_args": ["--max-context", str(MAX_CONTEXT), "--pass-latency-ms", "2"],
             "max_request_bytes": MAX_REQUEST_BYTES,
             "max_upload_bytes": 64 * 1024 * 1024,
+            "run_max_output_mib": 4,
+            "run_max_inbound_mib": 1,
             "restart_backoff_initial_s": 0.1,
             "drain_timeout_s": 2.0,
             "cache_dir": str(cache_dir),

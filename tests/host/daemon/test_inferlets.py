@@ -97,6 +97,32 @@ def test_cancel_and_list(server: Server, echo_id: str) -> None:
         assert http.get("/v1/runs", params={"kind": "nope"}).status_code == 400
 
 
+def test_an_output_flood_ends_the_run_at_its_limit(server: Server, echo_id: str) -> None:
+    with server.http() as http:
+        run_id = http.post("/v1/runs", json={"inferlet": echo_id, "args": ["flood"]}).json()["id"]
+        with http.stream("GET", f"/v1/runs/{run_id}/events") as response:
+            seen = list(events(response))
+        end = seen[-1][1]
+        assert seen[-1][0] == "end" and end["state"] == "failed"
+        assert "output limit exceeded" in end["error"] and "run_max_output_mib" in end["error"]
+        assert sum(len(data["text"]) for name, data in seen if name == "output") == 4 * 1024 * 1024
+        assert http.get("/health").json()["status"] == "ok"  # and the daemon keeps serving
+
+
+def test_messages_to_a_run_that_never_receives_are_bounded(server: Server, echo_id: str) -> None:
+    with server.http() as http:
+        run_id = http.post("/v1/runs", json={"inferlet": echo_id, "args": ["decode"]}).json()["id"]
+        message = "m" * (60 * 1024)  # under the request limit; 17 of them fill the 1 MiB inbox
+        codes = [http.post(f"/v1/runs/{run_id}/messages", json={"message": message}).status_code for _ in range(17)]
+        assert codes == [200] * 17
+        refused = http.post(f"/v1/runs/{run_id}/messages", json={"message": message})
+        assert refused.status_code == 413
+        error = refused.json()["error"]
+        assert error["code"] == "inbox_full" and "run_max_inbound_mib" in error["message"]
+        assert http.get(f"/v1/runs/{run_id}").json()["state"] == "running"  # the run goes on
+        assert http.post(f"/v1/runs/{run_id}/cancel").json()["state"] == "cancelled"
+
+
 def test_start_refusals(server: Server) -> None:
     with server.http() as http:
         assert http.post("/v1/runs", json={"inferlet": f"sha256:{'1' * 64}"}).status_code == 404

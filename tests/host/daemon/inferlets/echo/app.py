@@ -1,6 +1,7 @@
 """A test inferlet for the daemon's run endpoints. args[0] picks the behaviour:
 `echo`: emit each received message back, then send a summary once the client closes;
-`decode`: decode forever (until cancelled), emitting each token."""
+`decode`: decode forever (until cancelled), emitting each token; `flood`: emit 1 MiB chunks
+forever (the run's output limit ends it)."""
 
 import json
 
@@ -21,5 +22,9 @@ def main(args: list[str]) -> None:
             while True:
                 ctx.decode_step()
                 emit(".")
+    elif mode == "flood":
+        chunk = "x" * (1 << 20)
+        while True:
+            emit(chunk)
     else:
         raise ValueError(f"unknown mode {mode!r}")

@@ -4,7 +4,7 @@ import json
 import os
 import sys
 
-from inferlet import Adapter, AdapterError, Context, emit, model_info, receive
+from inferlet import Adapter, AdapterError, Context, emit, model_info, receive, send
 
 try:
     import socket
@@ -141,6 +141,17 @@ def rewind(args):
         emit(json.dumps({"first": first, "again": again, "tail": tail, "len": len(ctx)}))
 
 
+def flood(args):
+    """args[1]: "emit" or "send"; args[2]: chunks of 1 MiB, or "forever"."""
+    out = emit if args[1] == "emit" else send
+    chunk = "x" * (1 << 20)
+    count = 0
+    while args[2] == "forever" or count < int(args[2]):
+        out(chunk)
+        count += 1
+    emit(f"flooded {count}")
+
+
 def print_out(args):
     print("hello on stdout")
     print("hello on stderr", file=sys.stderr)
@@ -165,6 +176,7 @@ BEHAVIOURS = {
         adapter,
         rewind,
         print_out,
+        flood,
     )
 }
 

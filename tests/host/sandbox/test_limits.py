@@ -1,0 +1,78 @@
+"""Byte limits of a run (the sandbox's side of `docs/operating.md`, Limits): what a run emits and
+sends together is bounded and ends it with LIMIT_EXCEEDED naming the limit; client messages
+waiting for a run are bounded and refused past it, and received ones free their share."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from wasmtime.component import Component
+
+from host.sandbox import BufferedRunIO, RunStatus, Sandbox
+from host.sandbox.config import MIB
+from host.sandbox.errors import InboxFull
+from host.sandbox.run_io import Inbox
+from tests.host.sandbox.table_services import TableServices
+
+
+class CountingIO(BufferedRunIO):
+    """Keeps only byte counts, so the test itself holds no flood."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emitted = self.num_sent = 0
+
+    def emit(self, chunk: str) -> None:
+        self.emitted += len(chunk)
+
+    def send(self, message: str) -> None:
+        self.num_sent += len(message)
+
+
+@pytest.mark.parametrize("kind", ["emit", "send"])
+def test_an_output_flood_ends_at_the_output_limit(
+    sandbox: Sandbox, misbehave: Component, services: TableServices, kind: str
+) -> None:
+    config = dataclasses.replace(sandbox.config, max_output_bytes=8 * MIB)
+    io = CountingIO()
+    outcome = sandbox.start(misbehave, services, ["flood", kind, "forever"], io=io, config=config).wait(120)
+    assert outcome.status is RunStatus.LIMIT_EXCEEDED
+    assert outcome.error is not None and "output limit exceeded" in outcome.error
+    assert "8388608 bytes" in outcome.error
+    assert (io.emitted if kind == "emit" else io.num_sent) == 8 * MIB  # the chunk past it never arrives
+
+
+def test_output_under_the_limit_is_all_delivered(
+    sandbox: Sandbox, misbehave: Component, services: TableServices
+) -> None:
+    config = dataclasses.replace(sandbox.config, max_output_bytes=4 * MIB + 64)
+    io = CountingIO()
+    outcome = sandbox.start(misbehave, services, ["flood", "send", "4"], io=io, config=config).wait(120)
+    assert outcome.status is RunStatus.OK, outcome.error
+    assert io.num_sent == 4 * MIB and io.emitted == len("flooded 4")
+
+
+def test_a_spinning_guest_stopped_by_the_wall_clock_is_reported_as_the_wall_clock(
+    sandbox: Sandbox, misbehave: Component, services: TableServices
+) -> None:
+    # The epoch tick that fires may come a moment before the wall-clock deadline; the armed
+    # deadline, not the time left, says which limit it was (the watchdog's window is 30 s here).
+    for _ in range(3):
+        config = dataclasses.replace(sandbox.config, wall_budget_s=0.25)
+        outcome = sandbox.run(misbehave, services, ["spin"], config=config)
+        assert outcome.status is RunStatus.TIMED_OUT
+        assert outcome.error == "wall-clock budget of 0.25 s exhausted"
+
+
+def test_the_inbox_refuses_messages_past_its_limit_and_frees_received_ones() -> None:
+    inbox = Inbox(max_bytes=10)
+    inbox.push("12345")
+    with pytest.raises(InboxFull, match=r"5 bytes of messages it has not received; this one \(6 bytes\)"):
+        inbox.push("ü1234")  # 6 bytes in UTF-8: 11 > 10
+    inbox.push("abcde")  # exactly 10
+    assert inbox.receive(1) == "12345"
+    inbox.push("vwxyz")  # room again
+    assert [inbox.receive(1) for _ in range(2)] == ["abcde", "vwxyz"]
+    with pytest.raises(InboxFull):
+        inbox.push("x" * 11)

@@ -79,6 +79,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
             driver_args=ns.driver_arg,
             speculation_depth=ns.speculation_depth,
             max_decode_steps=ns.max_decode_steps,
+            adapter_dir=ns.adapter_dir,
         )
         with Sandbox(config) as sandbox, engine_start as engine:
             component = sandbox.load(wasm_path)
@@ -139,6 +140,11 @@ def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         type=int,
         default=16,
         help="decode steps per pass of host-side generation while passes are short, 1 = off (default: 16)",
+    )
+    p_run.add_argument(
+        "--adapter-dir",
+        default="",
+        help="where LoRA adapter names are resolved, on the driver's machine (default: adapters off)",
     )
     p_run.add_argument("--memory-mib", type=int, default=256, help="guest memory cap (default: 256)")
     p_run.add_argument("--timeout-s", type=float, default=600.0, help="wall-clock budget of the run")

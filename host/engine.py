@@ -9,7 +9,6 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
-import os
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -27,6 +26,7 @@ from bridge_schema.messages import (
     HealthReply,
     Hello,
 )
+from host.adapters import AdapterNameError, AdapterSlotsFull, AdapterTable, resolve
 from host.driver_link import DriverLink, DriverSpec
 from host.errors import (
     ContextNotFound,
@@ -61,7 +61,12 @@ class Engine:
     """Use `Engine.start(...)`; `close()` (or a `with` block) stops the loop and the driver."""
 
     def __init__(
-        self, spec: DriverSpec, adapter_dir: str = "", max_fill_chunk_tokens: int = 0, max_decode_steps: int = 16
+        self,
+        spec: DriverSpec,
+        adapter_dir: str = "",
+        max_fill_chunk_tokens: int = 0,
+        max_decode_steps: int = 16,
+        max_loaded_adapters: int = 64,
     ) -> None:
         self._spec = spec
         self._max_decode_steps = max(1, min(max_decode_steps, MAX_DECODE_STEPS))
@@ -82,7 +87,7 @@ class Engine:
         self._futures: dict[int, Waiter] = {}  # ticket -> waiter
         self._ready_chains: list[tuple[_Chain, PassResult]] = []  # generations to continue
         self._pending_copies: list[PageCopy] = []
-        self._adapters: dict[str, int] = {}  # name -> driver adapter id (kept loaded)
+        self._adapters = AdapterTable(max_loaded_adapters)  # loaded on the driver, shared by runs
         self._run_adapters: dict[int, set[int]] = {}
         self._adapter_lock = threading.Lock()
         self._grammar_lock = threading.Lock()
@@ -108,13 +113,15 @@ class Engine:
         prefix_match_unit: int = 0,
         speculation_depth: int = 0,
         adapter_dir: str = "",
+        max_loaded_adapters: int = 64,
         max_fill_chunk_tokens: int = 0,
         max_decode_steps: int = 16,
         startup_timeout_s: float = 60.0,
     ) -> Engine:
         """Start (or connect to) the driver and wait for its handshake. `driver`: "dummy" or
         "torch" (a subprocess on a Unix socket), "loopback" (in-process), "unix:PATH" or
-        "tcp:HOST:PORT". `page_size`/`num_pages` 0 take the driver's defaults.
+        "tcp:HOST:PORT". `page_size`/`num_pages` 0 take the driver's defaults. `adapter_dir`:
+        where adapter names are resolved (on the driver's machine; "" turns adapters off).
         `max_decode_steps`: the most steps of a multi-step request (host-side generation runs
         that many per pass while passes are short; 1 turns multi-step off)."""
         hello = Hello(
@@ -131,7 +138,7 @@ class Engine:
                 raise InvalidRequest(f"configuration rejected: {exc}") from None
         spec = DriverSpec(driver, tuple(driver_args), driver_module, startup_timeout_s, hello)
         spec.kind  # noqa: B018 - validates the driver name before a thread starts
-        engine = cls(spec, adapter_dir, max_fill_chunk_tokens, max_decode_steps)
+        engine = cls(spec, adapter_dir, max_fill_chunk_tokens, max_decode_steps, max_loaded_adapters)
         engine._thread.start()
         engine._ready.wait()
         if engine._startup_error is not None:
@@ -355,21 +362,38 @@ class Engine:
             return self._prefix.stats() if self._prefix is not None else {}
 
     def load_adapter(self, run_id: int, name: str) -> int:
-        """Adapters stay loaded on the driver once loaded (a cache shared by runs); `end_run`
-        drops the run's right to use them."""
-        if not name or "\x00" in name:
-            raise InvalidRequest(f"bad adapter name {name!r}")
+        """Adapters stay loaded on the driver once loaded (a cache shared by runs, at most
+        `max_loaded_adapters`: the least recently used one no run holds is unloaded for a new
+        one); `end_run` drops the run's right to use them. `name` is resolved inside the
+        adapter directory only (`host.adapters`)."""
+        try:
+            path = resolve(self._adapter_dir, name)
+        except AdapterNameError as exc:
+            raise InvalidRequest(str(exc)) from None
         with self._adapter_lock:
-            adapter_id = self._adapters.get(name)
+            adapter_id = self._adapters.lookup(name)
             if adapter_id is None:
-                adapter_id = len(self._adapters)
-                path = name if os.path.isabs(name) or not self._adapter_dir else os.path.join(self._adapter_dir, name)
+                with self._lock:
+                    in_use = set().union(*self._run_adapters.values())
+                try:
+                    adapter_id, victim = self._adapters.plan_load(in_use)
+                except AdapterSlotsFull as exc:
+                    raise InvalidRequest(str(exc)) from None
+                if victim is not None:
+                    unload = Adapter(op="unload", adapter_id=victim)
+                    self._call_in_loop(lambda link: link.request(unload, Ack), f"unloading adapter {victim}")
+                    self._adapters.unloaded(victim)
                 message = Adapter(op="load", adapter_id=adapter_id, path=path)
                 self._call_in_loop(lambda link: link.request(message, Ack), f"loading adapter {name!r}")
-                self._adapters[name] = adapter_id
-        with self._lock:
-            self._run_adapters.setdefault(run_id, set()).add(adapter_id)
+                self._adapters.loaded(name, adapter_id)
+            with self._lock:  # inside the adapter lock: a victim is chosen only among unheld ones
+                self._run_adapters.setdefault(run_id, set()).add(adapter_id)
         return adapter_id
+
+    @property
+    def num_loaded_adapters(self) -> int:
+        with self._adapter_lock:
+            return len(self._adapters)
 
     # ------------------------------------------------------------------ inspection (tests, daemon)
 

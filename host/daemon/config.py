@@ -43,6 +43,8 @@ class DaemonConfig:
     run_watchdog_s: float = 30.0
     run_max_output_mib: int = 64  # what one run may emit and send, together
     run_max_inbound_mib: int = 16  # client messages waiting for one run
+    adapter_dir: str = ""  # where LoRA adapter names are resolved, on the driver's machine ("" = off)
+    max_loaded_adapters: int = 64
     max_upload_bytes: int = 64 * MIB
     max_request_bytes: int = 4 * MIB
     driver_startup_timeout_s: float = 300.0  # a first --compile start: kernels ~20 s, compiling ~70 s
@@ -207,6 +209,7 @@ def _check(c: DaemonConfig) -> None:
         "run_memory_mib": 16,  # componentize-py's interpreter alone needs about 12 MiB
         "run_max_output_mib": 1,
         "run_max_inbound_mib": 1,
+        "max_loaded_adapters": 1,
         "max_upload_bytes": 1,
         "max_request_bytes": 1024,
         "drain_timeout_s": 0,

@@ -154,6 +154,8 @@ class Supervisor:
                 driver=address,
                 speculation_depth=self._config.speculation_depth,
                 max_decode_steps=self._config.max_decode_steps,
+                adapter_dir=self._config.adapter_dir,
+                max_loaded_adapters=self._config.max_loaded_adapters,
                 startup_timeout_s=self._config.driver_startup_timeout_s,
             )
             with self._cond:

@@ -46,5 +46,6 @@ def components(sandbox: Sandbox, built: dict[str, Path]) -> dict[str, Component]
 
 @pytest.fixture(scope="session")
 def engine() -> Iterator[Engine]:
-    with Engine.start(driver="dummy", speculation_depth=1) as eng:
+    # The dummy acks adapter loads without reading files: the directory need not exist.
+    with Engine.start(driver="dummy", speculation_depth=1, adapter_dir="/adapters") as eng:
         yield eng

@@ -188,6 +188,17 @@ def test_passes_run_through_a_loaded_adapter(
     assert int(engine.driver_health()["adapter_loads"]) == loads_before + 1
 
 
+def test_an_adapter_path_from_the_guest_is_refused_before_the_driver(
+    sandbox: Sandbox, components: dict[str, Component], engine: Engine
+) -> None:
+    loads_before = int(engine.driver_health()["adapter_loads"])
+    for name in ("/etc/passwd", "../../../etc/passwd"):
+        outcome = sandbox.run(components["misbehave"], engine, ["adapter", name])
+        assert outcome.status is RunStatus.OK, outcome.error  # an error the guest handles
+        assert outcome.output.startswith("refused: ") and "not a name inside the adapter directory" in outcome.output
+    assert int(engine.driver_health()["adapter_loads"]) == loads_before
+
+
 def test_truncate_rewinds_a_context(sandbox: Sandbox, components: dict[str, Component], engine: Engine) -> None:
     # The dummy's greedy token depends only on (input token, position): a rewound context that
     # is decoded again must repeat itself exactly.

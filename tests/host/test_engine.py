@@ -34,7 +34,10 @@ _runs = itertools.count(1)
 
 @pytest.fixture(scope="module", params=["dummy", "loopback"])
 def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
-    with Engine.start(request.param, ["--num-pages", "512", "--page-size", str(PAGE)]) as e:
+    # The dummy acks adapter loads without reading files: the directory need not exist.
+    with Engine.start(
+        request.param, ["--num-pages", "512", "--page-size", str(PAGE)], adapter_dir="/adapters", max_loaded_adapters=2
+    ) as e:
         yield e
 
 
@@ -215,10 +218,35 @@ def test_a_driver_error_fails_the_pass_clearly_and_the_engine_keeps_serving(engi
 
 
 def test_adapters_load_through_the_driver(engine: Engine, run_id: int) -> None:
-    adapter = engine.load_adapter(run_id, "/nonexistent/lora")  # the dummy acks without loading
+    adapter = engine.load_adapter(run_id, "lora")  # the dummy acks without loading
     ctx = engine.create_context(run_id)
     engine.forward(run_id, ctx, PassRequest(tokens=[1], outputs=[OutputSpec(0)], adapter_id=adapter))
-    assert engine.load_adapter(run_id, "/nonexistent/lora") == adapter
+    assert engine.load_adapter(run_id, "lora") == adapter
+
+
+@pytest.mark.parametrize("name", ["/etc/passwd", "../../etc/passwd", "a/../../b", ".hidden", "a//b", "", "x\0y"])
+def test_adapter_names_are_names_inside_the_adapter_directory(engine: Engine, run_id: int, name: str) -> None:
+    loads = int(engine.driver_health()["adapter_loads"])
+    with pytest.raises(InvalidRequest, match="is not a name inside the adapter directory"):
+        engine.load_adapter(run_id, name.replace("\\0", "\0"))
+    assert int(engine.driver_health()["adapter_loads"]) == loads  # nothing reached the driver
+
+
+def test_loaded_adapters_are_bounded_and_the_least_recently_used_free_one_goes(engine: Engine) -> None:
+    holder, other = 9001, 9002
+    first = engine.load_adapter(holder, "held")  # max_loaded_adapters=2 in the fixture
+    second = engine.load_adapter(other, "free")
+    engine.end_run(other)  # "free" is held by nobody now
+    unloads = int(engine.driver_health()["adapter_unloads"])
+    third = engine.load_adapter(holder, "new")
+    assert int(engine.driver_health()["adapter_unloads"]) == unloads + 1  # "free" went, not "held"
+    assert engine.num_loaded_adapters == 2 and len({first, second, third}) == 3
+    assert engine.load_adapter(holder, "held") == first  # still loaded
+    with pytest.raises(InvalidRequest, match="all 2 adapter slots are held by running runs"):
+        engine.load_adapter(other, "one-more")  # both loaded adapters belong to a running run
+    engine.end_run(holder)
+    assert engine.load_adapter(other, "one-more") not in (first, third)
+    engine.end_run(other)
 
 
 def test_tokenizer_and_model_come_from_the_handshake(engine: Engine) -> None:
@@ -309,7 +337,7 @@ def test_health_checks_and_adapter_loads_interleave_with_passes(engine: Engine) 
         try:
             for i in range(30):
                 engine.driver_health()
-                engine.load_adapter(rid, f"/adapters/a{i % 3}")
+                engine.load_adapter(rid, f"a{i % 2}")  # the fixture keeps 2 loaded
         except BaseException as exc:  # reported below
             errors.append(exc)
         finally:

@@ -59,6 +59,17 @@ class PassBuilder:
     matchers: dict[int, int] = field(default_factory=dict)  # output row -> matcher rep
     is_executed: bool = False
     submitted: Future[list[Record] | str] | None = None
+    charged_bytes: int = 0  # of the run's pass-buffer budget (`RunState.charge_pass_buffers`)
+
+
+# What the host holds per list element of a pass (a list slot and an int object): the unit that
+# pass buffers are charged in, so that their budget bounds the memory they really take.
+_ELEMENT_BYTES = 36
+
+
+def _charge(run: RunState, builder: PassBuilder, num_bytes: int) -> None:
+    run.charge_pass_buffers(num_bytes)
+    builder.charged_bytes += num_bytes
 
 
 def _builder(run: RunState, handle: ResourceAny) -> PassBuilder:
@@ -97,13 +108,18 @@ def new(run: RunState, ctx: ResourceAny) -> ResourceHost:
 
 @host_function
 def input_tokens(run: RunState, handle: ResourceAny, tokens: list[int]) -> None:
-    _builder(run, handle).tokens.extend(tokens)
+    builder = _builder(run, handle)
+    _charge(run, builder, len(tokens) * _ELEMENT_BYTES)
+    builder.tokens.extend(tokens)
 
 
 @host_function
 def input_positions(run: RunState, handle: ResourceAny, positions: list[int]) -> None:
     builder = _builder(run, handle)
-    builder.positions = (builder.positions or []) + list(positions)
+    _charge(run, builder, len(positions) * _ELEMENT_BYTES)
+    if builder.positions is None:
+        builder.positions = []
+    builder.positions.extend(positions)  # in place: repeated calls stay linear
 
 
 @host_function
@@ -129,7 +145,9 @@ def attention_window(run: RunState, handle: ResourceAny, window: int, sinks: int
 
 @host_function
 def attention_rows(run: RunState, handle: ResourceAny, rows: list[list[int]]) -> None:
-    _builder(run, handle).mask_rows = [list(r) for r in rows]
+    builder = _builder(run, handle)
+    _charge(run, builder, sum(len(r) + 2 for r in rows) * _ELEMENT_BYTES)
+    builder.mask_rows = [list(r) for r in rows]
 
 
 @host_function
@@ -140,6 +158,7 @@ def logit_mask(run: RunState, handle: ResourceAny, row: int, runs: list[int]) ->
         raise wasmtime.WasmtimeError(f"a logit mask's runs must cover the vocabulary of {vocab_size} exactly")
     for i, spec in enumerate(builder.outputs):
         if spec.row == row:
+            _charge(run, builder, vocab_size // 8)
             builder.outputs[i] = replace(spec, logit_mask=_bitmap(runs, vocab_size))
             return
     raise wasmtime.WasmtimeError(f"no output on row {row}: call output() for it first")
@@ -430,7 +449,10 @@ def _helpers() -> ThreadPoolExecutor:
 def _drop(_store: wasmtime.StoreContext, rep: int) -> None:
     run = current_or_none()
     if run is not None:
-        run.resources.remove(KIND, rep)
+        builder = run.resources.remove(KIND, rep)
+        if isinstance(builder, PassBuilder):
+            run.release_pass_buffers(builder.charged_bytes)
+            builder.charged_bytes = 0
 
 
 def register(instance: LinkerInstance) -> None:

@@ -42,6 +42,7 @@ class RunState:
     # Whether the epoch deadline armed last is the wall clock's (not the inactivity window's).
     is_wall_deadline_armed: bool = False
     output_bytes: int = 0  # emitted and sent so far (UTF-8)
+    pass_buffer_bytes: int = 0  # what the host holds for the run's forward passes
     stderr_chunks: list[bytes] = field(default_factory=list)
     # Where the run's time goes (benchmarks): host calls made, seconds inside host functions,
     # seconds of those spent waiting for forward passes, and when the first host call came.
@@ -88,6 +89,21 @@ class RunState:
         """Record why the host ends the run; the error for the host function to raise."""
         self.stop_reason, self.stop_status = reason, status
         return wasmtime.WasmtimeError(reason)
+
+    def charge_pass_buffers(self, num_bytes: int) -> None:
+        """Count host-held pass buffers (tokens, positions, mask rows of passes the guest holds)
+        against a budget of the run's memory cap: they are the guest's data, kept outside it."""
+        self.pass_buffer_bytes += num_bytes
+        cap = self.config.memory_limit_bytes
+        if self.pass_buffer_bytes > cap:
+            raise self.stop(
+                f"memory limit exceeded: the run's forward passes hold more than {cap} bytes of input on the "
+                "host (the run's memory cap; drop or execute passes as you build them)",
+                RunStatus.LIMIT_EXCEEDED,
+            )
+
+    def release_pass_buffers(self, num_bytes: int) -> None:
+        self.pass_buffer_bytes -= num_bytes
 
     def charge_output(self, text: str) -> None:
         """Count `text` (an emit or a send) against the run's output limit; past it, end the run."""

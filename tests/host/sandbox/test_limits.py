@@ -65,6 +65,27 @@ def test_a_spinning_guest_stopped_by_the_wall_clock_is_reported_as_the_wall_cloc
         assert outcome.error == "wall-clock budget of 0.25 s exhausted"
 
 
+@pytest.mark.parametrize("kind", ["tokens", "positions"])
+def test_input_buffers_of_unexecuted_passes_count_against_the_memory_cap(
+    sandbox: Sandbox, misbehave: Component, services: TableServices, kind: str
+) -> None:
+    # 100k elements a call, charged 36 bytes each: a 32 MiB cap stops the run at the 10th call.
+    config = dataclasses.replace(sandbox.config, memory_limit_bytes=32 * MIB)
+    outcome = sandbox.run(misbehave, services, ["buffer_inputs", kind, "forever"], config=config)
+    assert outcome.status is RunStatus.LIMIT_EXCEEDED
+    assert outcome.error is not None and "forward passes hold more than 33554432 bytes" in outcome.error
+
+
+def test_dropped_passes_give_their_buffers_back(
+    sandbox: Sandbox, misbehave: Component, services: TableServices
+) -> None:
+    # Four times the volume through passes that are dropped as they go never reaches the cap.
+    config = dataclasses.replace(sandbox.config, memory_limit_bytes=32 * MIB)
+    outcome = sandbox.run(misbehave, services, ["buffer_inputs", "tokens", "40", "release"], config=config)
+    assert outcome.status is RunStatus.OK, outcome.error
+    assert outcome.output == "buffered 40"
+
+
 def test_the_inbox_refuses_messages_past_its_limit_and_frees_received_ones() -> None:
     inbox = Inbox(max_bytes=10)
     inbox.push("12345")

@@ -152,6 +152,28 @@ def flood(args):
     emit(f"flooded {count}")
 
 
+def buffer_inputs(args):
+    """Feed a forward pass it never executes: args[1] "tokens" or "positions", args[2] chunks
+    of 100k (or "forever"); with "release", drop each pass after filling it."""
+    from wit_world.imports import inference
+
+    ctx = Context()
+    ctx.fill([1])
+    chunk = [1] * 100_000
+    count = 0
+    fp = inference.ForwardPass(ctx._live())
+    while args[2] == "forever" or count < int(args[2]):
+        if args[1] == "tokens":
+            fp.input_tokens(chunk)
+        else:
+            fp.input_positions(chunk)
+        count += 1
+        if "release" in args:
+            fp.__exit__(None, None, None)
+            fp = inference.ForwardPass(ctx._live())
+    emit(f"buffered {count}")
+
+
 def print_out(args):
     print("hello on stdout")
     print("hello on stderr", file=sys.stderr)
@@ -177,6 +199,7 @@ BEHAVIOURS = {
         rewind,
         print_out,
         flood,
+        buffer_inputs,
     )
 }
 

@@ -35,6 +35,7 @@ from host.errors import (
     EngineClosed,
     HostError,
     InvalidRequest,
+    PageQuotaExceeded,
     RunEnded,
 )
 from host.pages import PageCopy, PageTable
@@ -67,6 +68,7 @@ class Engine:
         max_fill_chunk_tokens: int = 0,
         max_decode_steps: int = 16,
         max_loaded_adapters: int = 64,
+        max_run_page_fraction: float = 1.0,
     ) -> None:
         self._spec = spec
         self._max_decode_steps = max(1, min(max_decode_steps, MAX_DECODE_STEPS))
@@ -88,6 +90,9 @@ class Engine:
         self._ready_chains: list[tuple[_Chain, PassResult]] = []  # generations to continue
         self._pending_copies: list[PageCopy] = []
         self._adapters = AdapterTable(max_loaded_adapters)  # loaded on the driver, shared by runs
+        if not 0 < max_run_page_fraction <= 1:
+            raise InvalidRequest(f"max_run_page_fraction must be in (0, 1], got {max_run_page_fraction}")
+        self._max_run_page_fraction = max_run_page_fraction
         self._run_adapters: dict[int, set[int]] = {}
         self._adapter_lock = threading.Lock()
         self._grammar_lock = threading.Lock()
@@ -114,6 +119,7 @@ class Engine:
         speculation_depth: int = 0,
         adapter_dir: str = "",
         max_loaded_adapters: int = 64,
+        max_run_page_fraction: float = 1.0,
         max_fill_chunk_tokens: int = 0,
         max_decode_steps: int = 16,
         startup_timeout_s: float = 60.0,
@@ -122,6 +128,7 @@ class Engine:
         "torch" (a subprocess on a Unix socket), "loopback" (in-process), "unix:PATH" or
         "tcp:HOST:PORT". `page_size`/`num_pages` 0 take the driver's defaults. `adapter_dir`:
         where adapter names are resolved (on the driver's machine; "" turns adapters off).
+        `max_run_page_fraction`: the most of the page pool one run's contexts may hold.
         `max_decode_steps`: the most steps of a multi-step request (host-side generation runs
         that many per pass while passes are short; 1 turns multi-step off)."""
         hello = Hello(
@@ -138,7 +145,9 @@ class Engine:
                 raise InvalidRequest(f"configuration rejected: {exc}") from None
         spec = DriverSpec(driver, tuple(driver_args), driver_module, startup_timeout_s, hello)
         spec.kind  # noqa: B018 - validates the driver name before a thread starts
-        engine = cls(spec, adapter_dir, max_fill_chunk_tokens, max_decode_steps, max_loaded_adapters)
+        engine = cls(
+            spec, adapter_dir, max_fill_chunk_tokens, max_decode_steps, max_loaded_adapters, max_run_page_fraction
+        )
         engine._thread.start()
         engine._ready.wait()
         if engine._startup_error is not None:
@@ -194,6 +203,9 @@ class Engine:
             self._check_owner(run_id, context_id)
             self._staging.invalidate(context_id)
             self._check_idle(run_id, context_id, "fork")
+            # A fork shares its parent's pages; it is charged them all (its own from the first
+            # write on), and the copy of the partial page.
+            self._check_page_quota(run_id, context_id, 0, extra_pages=len(self._pages.pages(context_id)) + 1)
             child = next(self._context_ids)
             # The partial page's Copy goes out before the next pass (the loop sends copies first).
             self._pending_copies += self._pages.fork(context_id, child)
@@ -202,6 +214,22 @@ class Engine:
             self._owner[child] = run_id
         self._wake_loop()
         return child
+
+    def _check_page_quota(self, run_id: int, context_id: int, num_tokens: int, extra_pages: int = 0) -> None:
+        """PageQuotaExceeded if growing `context_id` by `num_tokens` (and `extra_pages`) would
+        take its run's contexts past their share of the pool (lock held). Pages shared by
+        contexts count once per context: a quota errs on the side of the others."""
+        quota = int(self._pages.num_pages * self._max_run_page_fraction)
+        if quota >= self._pages.num_pages:
+            return
+        ps = self._pages.page_size
+        now = len(self._pages.pages(context_id))
+        needed = max(0, -(-(self._pages.length(context_id) + num_tokens) // ps) - now) + extra_pages
+        if needed == 0:
+            return
+        held = sum(len(self._pages.pages(c)) for c, r in self._owner.items() if r == run_id)
+        if held + needed > quota:
+            raise PageQuotaExceeded(run_id, held, needed, quota)
 
     def context_length(self, run_id: int, context_id: int) -> int:
         with self._lock:
@@ -311,6 +339,7 @@ class Engine:
         if steps > 1:  # as many steps as there are slots for, down to one
             steps = max(1, min(steps, self._pages.free_slots(context_id)))
         # Reserved now, so a pass either gets all its pages or fails at once (OutOfPages).
+        self._check_page_quota(run_id, context_id, len(checked.tokens) + steps - 1)
         self._pending_copies += self._pages.extend(context_id, len(checked.tokens) + steps - 1)
         item = PendingPass(
             ticket=next(self._tickets),
@@ -401,6 +430,16 @@ class Engine:
     def num_free_pages(self) -> int:
         with self._lock:
             return self._pages.num_free
+
+    @property
+    def num_pages(self) -> int:
+        return self._pages.num_pages
+
+    @property
+    def num_available_pages(self) -> int:
+        """Free pages and cached ones no context holds (a new pass can take either)."""
+        with self._lock:
+            return self._pages.num_available
 
     def context_pages(self, context_id: int) -> tuple[int, ...]:
         with self._lock:

@@ -6,6 +6,7 @@
     │   ├── ContextNotFound     no live context has this id (never created, or released)
     │   └── ContextNotOwned     the context belongs to another run
     ├── OutOfPages              the KV page pool cannot hold what was asked; nothing was allocated
+    │   └── PageQuotaExceeded   the run would hold more pages than its quota; nothing was allocated
     ├── DriverFailed            the driver answered a pass with an error, or the link to it broke
     ├── RunEnded                the run ended (or released the context) while its pass waited
     └── EngineClosed            the engine is shut down (or shutting down) and takes no more work
@@ -72,3 +73,15 @@ class RunEnded(HostError):
 class EngineClosed(HostError):
     def __init__(self, reason: str = "the engine is closed") -> None:
         super().__init__(reason)
+
+
+class PageQuotaExceeded(OutOfPages):
+    """A pass would take its run past the run's share of the page pool."""
+
+    def __init__(self, run_id: int, held: int, needed: int, quota: int) -> None:
+        HostError.__init__(
+            self,
+            f"run {run_id} holds {held} KV pages and this pass needs {needed} more, past its quota of {quota} "
+            "(the daemon's run_max_pages_fraction of the pool): release or truncate contexts first",
+        )
+        self.run_id, self.held, self.needed, self.quota = run_id, held, needed, quota

@@ -10,6 +10,7 @@ DaemonError                  root of everything the daemon raises
     ├── PayloadTooLarge      413: the body exceeds the configured limit
     ├── RunInboxFull         413: a run's waiting messages would pass run_max_inbound_mib
     ├── TooManyRuns          429: every run slot is taken
+    ├── PagesExhausted       503: every KV page is held by running runs
     ├── DriverUnavailable    503: the driver is down or restarting
     └── GenerationFailed     502: the run failed for a reason that is not the client's
 """
@@ -92,6 +93,18 @@ class TooManyRuns(ApiError):
 
     def __init__(self, limit: int) -> None:
         super().__init__(f"all {limit} run slots are busy; retry later", code="too_many_runs")
+
+
+class PagesExhausted(ApiError):
+    """Every KV page is held by running runs: a new run could not even start generating."""
+
+    status = 503
+    error_type = "server_error"
+
+    def __init__(self, num_pages: int) -> None:
+        super().__init__(
+            f"all {num_pages} KV pages are held by running runs; retry when they finish", code="kv_pages_exhausted"
+        )
 
 
 class DriverUnavailable(ApiError):

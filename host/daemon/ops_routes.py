@@ -20,18 +20,23 @@ def _health(daemon: Daemon) -> tuple[int, dict[str, Any]]:
     is_ready = status.state is DriverState.READY
     engine_info: dict[str, Any] = {}
     engine = daemon.live_engine()
+    is_exhausted = False
     if engine is not None:
+        is_exhausted = engine.num_available_pages == 0
         engine_info = {
             "model": engine.model.name,
             "driver_info": dict(engine.handshake.driver_info),
             "max_context": engine.model.max_context,
             "free_pages": engine.num_free_pages,
+            "available_pages": engine.num_available_pages,
+            "num_pages": engine.num_pages,
             "speculation": engine.speculation_stats(),
             "prefix": engine.prefix_stats(),
             "driver_stats": daemon.driver_stats(),
         }
     body = {
-        "status": "ok" if is_ready else "unavailable",
+        # degraded: serving, but every KV page is held (new runs get 503 until some end)
+        "status": ("degraded" if is_exhausted else "ok") if is_ready else "unavailable",
         "driver": {
             "state": status.state.value,
             "pid": status.pid,

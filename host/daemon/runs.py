@@ -20,7 +20,7 @@ import anyio.to_thread
 from wasmtime.component import Component
 
 from host.daemon.config import DaemonConfig
-from host.daemon.errors import DriverUnavailable, NotFound, TooManyRuns
+from host.daemon.errors import DriverUnavailable, NotFound, PagesExhausted, TooManyRuns
 from host.daemon.logs import request_id_var
 from host.daemon.run_log import RunLog
 from host.daemon.supervisor import Supervisor
@@ -138,6 +138,8 @@ class RunRegistry:
 
         def launch() -> tuple[RunRecord, T]:
             engine, generation = self._supervisor.engine(engine_wait_s)
+            if engine.num_available_pages == 0:
+                raise PagesExhausted(engine.num_pages)
             args, prepared = prepare(engine)
             self._admit()
             try:

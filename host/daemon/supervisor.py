@@ -156,6 +156,7 @@ class Supervisor:
                 max_decode_steps=self._config.max_decode_steps,
                 adapter_dir=self._config.adapter_dir,
                 max_loaded_adapters=self._config.max_loaded_adapters,
+                max_run_page_fraction=self._config.run_max_pages_fraction,
                 startup_timeout_s=self._config.driver_startup_timeout_s,
             )
             with self._cond:

@@ -25,6 +25,7 @@ from host.errors import (
     EngineClosed,
     InvalidRequest,
     OutOfPages,
+    PageQuotaExceeded,
 )
 from host.services import PassRequest
 
@@ -403,3 +404,26 @@ def test_fork_and_truncate_wait_for_no_one_they_refuse_while_a_pass_is_pending()
         thread.join()
         assert refused >= 1  # ... and still running when at least the first call came
         assert e.context_length(1, ctx) in (0, 3)
+
+
+def test_a_run_cannot_hold_more_than_its_share_of_the_pages() -> None:
+    # 16 pages of 4 tokens, half for one run: 8 pages (32 tokens) fit, the 33rd token does not.
+    with Engine.start("dummy", ["--num-pages", "16", "--page-size", "4"], max_run_page_fraction=0.5) as e:
+        greedy, other = next(_runs), next(_runs)
+        ctx = e.create_context(greedy)
+        fill(e, greedy, ctx, [65] * 28)  # 7 pages
+        second = e.create_context(greedy)  # the quota is the run's, over all its contexts
+        fill(e, greedy, second, [66] * 2)  # the 8th
+        with pytest.raises(
+            PageQuotaExceeded, match=r"holds 8 KV pages and this pass needs 1 more, past its quota of 8"
+        ):
+            fill(e, greedy, ctx, [67] * 3)
+        assert e.context_length(greedy, ctx) == 28  # nothing was allocated
+        with pytest.raises(PageQuotaExceeded):
+            e.fork_context(greedy, ctx)
+        theirs = e.create_context(other)  # the other half is there for another run
+        fill(e, other, theirs, [68] * 32)
+        e.release_context(greedy, second)
+        fill(e, greedy, ctx, [69] * 2)  # within the quota again
+        e.end_run(greedy)
+        e.end_run(other)

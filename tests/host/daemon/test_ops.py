@@ -7,10 +7,12 @@ import json
 from typing import Any
 
 import anyio
+import pytest
 
 from host.daemon.config import load_config
 from host.daemon.metrics import Histogram
 from host.daemon.middleware import EdgeMiddleware
+from host.engine import Engine
 from tests.host.daemon.conftest import Server
 
 
@@ -98,3 +100,23 @@ def test_without_keys_the_openai_api_is_open_and_inferlets_are_disabled() -> Non
             assert status == 403 and body["error"]["code"] == "inferlets_disabled"
 
     anyio.run(main)
+
+
+def test_an_exhausted_page_pool_degrades_health_and_refuses_new_runs(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As if running runs held every KV page (one run alone cannot: run_max_pages_fraction).
+    monkeypatch.setattr(Engine, "num_available_pages", property(lambda self: 0))
+    with server.http() as http:
+        health = http.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "degraded"
+        assert health.json()["engine"]["available_pages"] == 0
+        refused = http.post("/v1/runs", json={"inferlet": "chat"})
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "kv_pages_exhausted"
+        chat = http.post(
+            "/v1/chat/completions", json={"model": "dummy", "messages": [{"role": "user", "content": "hi"}]}
+        )
+        assert chat.status_code == 503 and "KV pages are held by running runs" in chat.json()["error"]["message"]
+    monkeypatch.undo()
+    assert server.wait_ready()["status"] == "ok"

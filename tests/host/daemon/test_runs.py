@@ -43,13 +43,21 @@ class FakeSandbox:
         return self.handles[-1]
 
 
+class FakeEngine:
+    num_available_pages = 8
+    num_pages = 8
+
+    def __str__(self) -> str:
+        return "the engine"
+
+
 class FakeSupervisor:
     def __init__(self) -> None:
         self.engine_threads: list[threading.Thread] = []
 
-    def engine(self, timeout_s: float = 0.0) -> tuple[str, int]:
+    def engine(self, timeout_s: float = 0.0) -> tuple[FakeEngine, int]:
         self.engine_threads.append(threading.current_thread())
-        return "the engine", 7
+        return FakeEngine(), 7
 
 
 def registry(max_runs: int) -> tuple[RunRegistry, FakeSandbox, FakeSupervisor]:

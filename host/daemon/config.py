@@ -45,6 +45,7 @@ class DaemonConfig:
     run_max_inbound_mib: int = 16  # client messages waiting for one run
     adapter_dir: str = ""  # where LoRA adapter names are resolved, on the driver's machine ("" = off)
     max_loaded_adapters: int = 64
+    max_loaded_component_mib: int = 1024  # compiled inferlets kept in memory (LRU past it)
     run_max_pages_fraction: float = 0.5  # of the KV page pool, the most one run's contexts may hold
     max_upload_bytes: int = 64 * MIB
     max_request_bytes: int = 4 * MIB
@@ -78,6 +79,7 @@ class DaemonConfig:
             wall_budget_s=self.run_timeout_s,
             max_output_bytes=self.run_max_output_mib * MIB,
             max_inbound_bytes=self.run_max_inbound_mib * MIB,
+            max_loaded_component_bytes=self.max_loaded_component_mib * MIB,
         )
 
     @property
@@ -211,6 +213,7 @@ def _check(c: DaemonConfig) -> None:
         "run_max_output_mib": 1,
         "run_max_inbound_mib": 1,
         "max_loaded_adapters": 1,
+        "max_loaded_component_mib": 1,
         "max_upload_bytes": 1,
         "max_request_bytes": 1024,
         "drain_timeout_s": 0,

@@ -55,7 +55,9 @@ class InferletStore:
                     self._sandbox.load(tmp)
                 except ComponentLoadError as exc:
                     tmp.unlink(missing_ok=True)
-                    raise InvalidRequest(f"not a loadable WebAssembly component: {exc}", param="body") from None
+                    # The message names the file: the client sees "the upload", never a server path.
+                    reason = str(exc).replace(str(tmp), "the upload")
+                    raise InvalidRequest(f"not a loadable WebAssembly component: {reason}", param="body") from None
                 os.replace(tmp, path)
         return self._entry(inferlet_id, path), is_new
 
@@ -64,7 +66,8 @@ class InferletStore:
         try:
             return self._sandbox.load(path)
         except ComponentLoadError as exc:
-            raise InvalidRequest(f"inferlet {inferlet_id} cannot be loaded: {exc}", param="inferlet") from None
+            reason = str(exc).replace(str(path), "the stored component")
+            raise InvalidRequest(f"inferlet {inferlet_id} cannot be loaded: {reason}", param="inferlet") from None
 
     def get(self, inferlet_id: str) -> StoredInferlet:
         return self._entry(inferlet_id, self._existing(inferlet_id))

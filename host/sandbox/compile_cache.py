@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import wasmtime
@@ -36,11 +37,25 @@ def cache_key(content_digest: str) -> str:
 
 
 class CompileCache:
-    def __init__(self, engine: wasmtime.Engine, directory: Path) -> None:
+    """`max_loaded_bytes` bounds the components kept loaded in memory (each counted at the size
+    of its compiled file, which it maps): past it the least recently used ones are dropped (a
+    run that holds one keeps it alive; the next load maps the cached file again). A compile runs
+    outside the cache's lock, so loads of other components never wait for it; two loads of the
+    same file compile it once."""
+
+    def __init__(self, engine: wasmtime.Engine, directory: Path, max_loaded_bytes: int = 1 << 30) -> None:
         self._engine = engine
         self._dir = directory
+        self._max_loaded_bytes = max_loaded_bytes
         self._lock = threading.Lock()
-        self._loaded: dict[tuple[str, int, int], Component] = {}
+        self._loaded: OrderedDict[tuple[str, int, int], tuple[Component, int]] = OrderedDict()
+        self._loaded_bytes = 0
+        self._loading: dict[tuple[str, int, int], threading.Lock] = {}
+
+    @property
+    def num_loaded(self) -> int:
+        with self._lock:
+            return len(self._loaded)
 
     def load(self, wasm_path: Path) -> Component:
         """The component in `wasm_path`, compiling it only if no compiled copy is cached."""
@@ -50,20 +65,43 @@ class CompileCache:
             raise ComponentLoadError(f"cannot read component {wasm_path}: {exc}") from exc
         identity = (str(wasm_path.resolve()), st.st_mtime_ns, st.st_size)
         with self._lock:
-            component = self._loaded.get(identity)
-            if component is None:
-                component = self._load_uncached(wasm_path)
-                self._loaded[identity] = component
+            hit = self._hit(identity)
+            if hit is not None:
+                return hit
+            file_lock = self._loading.setdefault(identity, threading.Lock())
+        with file_lock:  # one compile per file; other files go on meanwhile
+            with self._lock:
+                hit = self._hit(identity)
+                if hit is not None:
+                    return hit
+            try:
+                component, size = self._load_uncached(wasm_path)
+            finally:
+                with self._lock:
+                    self._loading.pop(identity, None)
+            with self._lock:
+                self._loaded[identity] = (component, size)
+                self._loaded_bytes += size
+                while self._loaded_bytes > self._max_loaded_bytes and len(self._loaded) > 1:
+                    _, (_, dropped) = self._loaded.popitem(last=False)
+                    self._loaded_bytes -= dropped
             return component
+
+    def _hit(self, identity: tuple[str, int, int]) -> Component | None:
+        entry = self._loaded.get(identity)
+        if entry is None:
+            return None
+        self._loaded.move_to_end(identity)
+        return entry[0]
 
     def compiled_path(self, wasm_path: Path) -> Path:
         return self._dir / f"{cache_key(file_digest(wasm_path))}.cwasm"
 
-    def _load_uncached(self, wasm_path: Path) -> Component:
+    def _load_uncached(self, wasm_path: Path) -> tuple[Component, int]:
         compiled = self.compiled_path(wasm_path)
         if compiled.exists():
             try:
-                return Component.deserialize_file(self._engine, str(compiled))
+                return Component.deserialize_file(self._engine, str(compiled)), compiled.stat().st_size
             except wasmtime.WasmtimeError as exc:
                 _log.warning("discarding unreadable compiled component %s: %s", compiled, exc)
         try:
@@ -71,7 +109,8 @@ class CompileCache:
         except wasmtime.WasmtimeError as exc:
             raise ComponentLoadError(f"{wasm_path} is not a valid component: {exc}") from exc
         self._dir.mkdir(parents=True, exist_ok=True)
+        data = component.serialize()
         tmp = compiled.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
-        tmp.write_bytes(component.serialize())
+        tmp.write_bytes(data)
         os.replace(tmp, compiled)  # atomic: concurrent writers leave one whole file
-        return component
+        return component, len(data)

@@ -29,6 +29,9 @@ class SandboxConfig:
     epoch_tick_s: float = 0.01
     max_output_bytes: int = 64 * MIB
     max_inbound_bytes: int = 16 * MIB
+    # The sandbox's, not a run's: compiled components kept loaded in memory (least recently used
+    # dropped past it; `compile_cache.CompileCache`).
+    max_loaded_component_bytes: int = 1024 * MIB
 
     def __post_init__(self) -> None:
         # componentize-py's CPython needs about 12.3 MiB before running a line of user code.

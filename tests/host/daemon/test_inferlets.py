@@ -41,7 +41,10 @@ def test_upload_refusals(server: Server) -> None:
         assert http.get("/v1/runs").status_code == 401
     with server.http() as http:
         response = http.post("/v1/inferlets", content=b"not a component")
-        assert response.status_code == 400 and "component" in response.json()["error"]["message"]
+        message = response.json()["error"]["message"]
+        assert response.status_code == 400 and "component" in message
+        # Never the server's paths or pid: the data directory, a temporary file's name.
+        assert str(server.config.data_dir) not in message and ".tmp" not in message and "the upload" in message
         assert http.post("/v1/inferlets", content=b"").status_code == 400
         too_big = b"\0" * (server.config.max_upload_bytes + 1)
         assert http.post("/v1/inferlets", content=too_big).status_code == 413

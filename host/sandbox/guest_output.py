@@ -1,9 +1,17 @@
 """Guest stdout/stderr, cut into lines and logged with the run id; stderr is also kept so that a
-trap's report can show the guest's own traceback."""
+trap's report can show the guest's own traceback.
+
+WASI writes a guest's output from wasmtime's own (tokio) threads. Through a Python callback
+(`WasiConfig.stdout_custom`) such a write can come while the interpreter exits, and the thread
+is then unwound through Rust frames: the process aborts ("panic in a function that cannot
+unwind", SIGABRT). So the guest writes into a pipe, and a Python thread of ours reads it.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 
 _log = logging.getLogger("wafer.guest")
 
@@ -18,6 +26,38 @@ class GuestStream:
         self._keep = keep
         self._partial = b""
         self._kept = bytearray()
+        self._write_fd = -1
+        self._reader: threading.Thread | None = None
+
+    def open_pipe(self) -> str:
+        """A path for WASI to open as this stream (the write end of a pipe this stream reads).
+        Call `release_writer` once WASI has opened it."""
+        read_fd, self._write_fd = os.pipe()
+        self._reader = threading.Thread(
+            target=self._drain, args=(read_fd,), name=f"wafer-run-{self._run_id}-{self._name}", daemon=True
+        )
+        self._reader.start()
+        return f"/dev/fd/{self._write_fd}"
+
+    def release_writer(self) -> None:
+        """Close our copy of the write end: the pipe ends when WASI closes its own."""
+        if self._write_fd >= 0:
+            os.close(self._write_fd)
+            self._write_fd = -1
+
+    def wait_closed(self, timeout_s: float) -> None:
+        """Wait until the guest's side is closed (its Store dropped) and everything is read."""
+        self.release_writer()
+        if self._reader is not None:
+            self._reader.join(timeout_s)
+
+    def _drain(self, read_fd: int) -> None:
+        try:
+            while data := os.read(read_fd, 65536):
+                self.write(data)
+        finally:
+            os.close(read_fd)
+            self.flush()
 
     def write(self, data: bytes) -> None:
         if self._keep:

@@ -17,6 +17,8 @@ from host.sandbox.run_state import RunState, bind_current
 _log = logging.getLogger("wafer.sandbox")
 
 EXPORT_NAME = "run"
+# How long a run's end waits for the guest's output pipes to be read to their end.
+_OUTPUT_DRAIN_S = 2.0
 
 
 class Run:
@@ -53,10 +55,12 @@ class Run:
             _log.exception("[run %d] sandbox failure", self.state.run_id)
             status, error = RunStatus.TRAPPED, f"sandbox failure: {type(exc).__name__}: {exc}"
         finally:
-            self._stdout.flush()
-            self._stderr.flush()
             num_leaked = self._free_resources()
-            self.state.store = None
+            self.state.store = None  # the last reference: WASI closes the guest's output pipes
+            for stream in (self._stdout, self._stderr):
+                stream.wait_closed(_OUTPUT_DRAIN_S)
+            if status is RunStatus.TRAPPED and (stderr := self._stderr.text.strip()):
+                error = f"{error}\n--- guest stderr ---\n{stderr}"
             bind_current(None)
             output = getattr(self.state.io, "output", "")
             self._outcome = RunOutcome(
@@ -73,9 +77,11 @@ class Run:
         store = wasmtime.Store(self._engine)
         store.set_limits(memory_size=self.state.config.memory_limit_bytes)
         wasi = wasmtime.WasiConfig()  # no preopens, no env, no args; sockets are denied
-        wasi.stdout_custom = self._stdout.write
-        wasi.stderr_custom = self._stderr.write
+        wasi.stdout_file = self._stdout.open_pipe()  # pipes, not callbacks: see guest_output.py
+        wasi.stderr_file = self._stderr.open_pipe()
         store.set_wasi(wasi)
+        self._stdout.release_writer()
+        self._stderr.release_writer()
         return store
 
     def _execute(self) -> tuple[RunStatus, str | None]:
@@ -93,6 +99,9 @@ class Run:
             result = run_fn(store)
             run_fn.post_return(store)
         except wasmtime.WasmtimeError as exc:
+            # wasmtime-py raises its error from a local, so the error and its frames form a cycle
+            # that holds the Store (and the guest's output pipes) until a gc: cut it now.
+            exc.__traceback__ = None
             return self._classify_failure(exc)
         if isinstance(result, str):
             if state.cancel_requested.is_set():
@@ -118,9 +127,7 @@ class Run:
                 f"guest ran {state.config.inactivity_timeout_s:g} s without calling the host (watchdog)"
             )
         _log.info("[run %d] trapped: %s", state.run_id, message)
-        stderr = self._stderr.text.strip()
-        detail = f"\n--- guest stderr ---\n{stderr}" if stderr else ""
-        return RunStatus.TRAPPED, f"{_trap_headline(message)}{detail}"
+        return RunStatus.TRAPPED, _trap_headline(message)  # the guest's stderr is added at the end
 
     def _free_resources(self) -> int:
         """Release what the guest still holds; the engine's `end_run` then frees the rest."""

@@ -174,6 +174,12 @@ def buffer_inputs(args):
     emit(f"buffered {count}")
 
 
+def panic(args):
+    """An exception componentize-py's runtime does not turn into an error result: it panics (a
+    trap), printing the panic to stderr."""
+    emit("\ud800")  # a lone surrogate cannot be lowered to a WIT string
+
+
 def print_out(args):
     print("hello on stdout")
     print("hello on stderr", file=sys.stderr)
@@ -200,6 +206,7 @@ BEHAVIOURS = {
         print_out,
         flood,
         buffer_inputs,
+        panic,
     )
 }
 

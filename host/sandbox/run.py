@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
+import weakref
 
 import wasmtime
 from wasmtime.component import Component, Linker
@@ -34,6 +36,7 @@ class Run:
         self._stdout = GuestStream(state.run_id, "stdout", keep=False)
         self._stderr = GuestStream(state.run_id, "stderr", keep=True)
         self._thread = threading.Thread(target=self._main, name=f"wafer-run-{state.run_id}", daemon=True)
+        self._store_ref: weakref.ref[wasmtime.Store] | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -57,6 +60,7 @@ class Run:
         finally:
             num_leaked = self._free_resources()
             self.state.store = None  # the last reference: WASI closes the guest's output pipes
+            self._collect_store()
             for stream in (self._stdout, self._stderr):
                 stream.wait_closed(_OUTPUT_DRAIN_S)
             if status is RunStatus.TRAPPED and (stderr := self._stderr.text.strip()):
@@ -72,6 +76,15 @@ class Run:
                 num_leaked_resources=num_leaked,
             )
             self._done.set()
+
+    def _collect_store(self) -> None:
+        """Free the Store now if a reference cycle still holds it. An error raised in a host
+        function (a cancel, a limit) is caught by wasmtime-py in a frame that holds it, and
+        those frames hold the call's frames back to the Store: only a gc frees them."""
+        if self._store_ref is not None and self._store_ref() is not None:
+            gc.collect(1)
+            if self._store_ref() is not None:
+                gc.collect()
 
     def _new_store(self) -> wasmtime.Store:
         store = wasmtime.Store(self._engine)
@@ -89,6 +102,7 @@ class Run:
         if state.cancel_requested.is_set():
             return RunStatus.CANCELLED, "cancelled before it started"
         store = self._new_store()
+        self._store_ref = weakref.ref(store)
         state.store = store
         state.rearm_watchdog()
         try:

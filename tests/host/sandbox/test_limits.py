@@ -86,6 +86,26 @@ def test_dropped_passes_give_their_buffers_back(
     assert outcome.output == "buffered 40"
 
 
+@pytest.mark.parametrize("seconds", ["0.01", "3600"])
+def test_a_guest_cannot_sleep_out_of_reach_of_its_limits(
+    sandbox: Sandbox, misbehave: Component, services: TableServices, seconds: str
+) -> None:
+    # A wait inside WASI is outside the watchdog, the wall clock and cancel: refused at once
+    # (before, `time.sleep(3600)` held its run for the hour whatever the budget).
+    config = dataclasses.replace(sandbox.config, wall_budget_s=2.0)
+    outcome = sandbox.run(misbehave, services, ["sleep", seconds], config=config)
+    assert outcome.status is RunStatus.TRAPPED
+    assert outcome.output == "sleeping"
+    assert outcome.error is not None and outcome.error.startswith("inferlets cannot sleep or wait on a clock")
+    assert "receive()" in outcome.error
+
+
+def test_the_clocks_still_read(sandbox: Sandbox, misbehave: Component, services: TableServices) -> None:
+    outcome = sandbox.run(misbehave, services, ["clock"])
+    assert outcome.status is RunStatus.OK, outcome.error
+    assert outcome.output == '{"monotonic": true, "wall": true}'
+
+
 def test_the_inbox_refuses_messages_past_its_limit_and_frees_received_ones() -> None:
     inbox = Inbox(max_bytes=10)
     inbox.push("12345")

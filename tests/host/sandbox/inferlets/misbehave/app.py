@@ -180,6 +180,22 @@ def panic(args):
     emit("\ud800")  # a lone surrogate cannot be lowered to a WIT string
 
 
+def sleep(args):
+    import time
+
+    emit("sleeping")
+    time.sleep(float(args[1]))
+    emit("woke")
+
+
+def clock(args):
+    import time
+
+    a = time.monotonic()
+    b = time.monotonic()
+    emit(json.dumps({"monotonic": b >= a, "wall": time.time() > 1.6e9}))
+
+
 def print_out(args):
     print("hello on stdout")
     print("hello on stderr", file=sys.stderr)
@@ -207,6 +223,8 @@ BEHAVIOURS = {
         flood,
         buffer_inputs,
         panic,
+        sleep,
+        clock,
     )
 }
 

@@ -81,6 +81,11 @@ def check_request(request: PassRequest, kv_start: int, h: Handshake, adapters: s
         for i, row in enumerate(mask_rows):
             if any(r < 0 for r in row) or sum(row) != kv_len:
                 raise InvalidRequest(f"attention mask row {i} must cover the pass's {kv_len} keys exactly")
+            if not any(row[1::2]):  # runs alternate: masked, attended, masked, ...
+                raise InvalidRequest(
+                    f"attention mask row {i} attends to no key: each query must attend to at least one "
+                    "(usually itself); its attention would be undefined"
+                )
             row_words[i] += len(row)
     if h.max_mask_bytes and 4 * max(row_words) > h.max_mask_bytes:
         raise InvalidRequest(f"one row's masks exceed the driver's {h.max_mask_bytes} mask bytes per pass")

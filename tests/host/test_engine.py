@@ -178,6 +178,18 @@ def test_contexts_are_owned_by_their_run(engine: Engine, run_id: int) -> None:
         engine.forward(run_id, ctx, PassRequest(tokens=[1]))
 
 
+def test_an_attention_row_that_attends_to_no_key_is_refused(engine: Engine, run_id: int) -> None:
+    ctx = engine.create_context(run_id)
+    fill(engine, run_id, ctx, [1, 2])
+    with pytest.raises(InvalidRequest, match="attention mask row 1 attends to no key"):
+        engine.forward(run_id, ctx, PassRequest(tokens=[3, 4], mask_rows=[[0, 3, 1], [4, 0]]))
+    assert engine.context_length(run_id, ctx) == 2
+    out = engine.forward(
+        run_id, ctx, PassRequest(tokens=[3, 4], outputs=[OutputSpec(1)], mask_rows=[[0, 3, 1], [3, 1]])
+    )
+    assert len(out.outputs) == 1  # a row attending to its own key alone is fine
+
+
 @pytest.mark.parametrize(
     "request_",
     [

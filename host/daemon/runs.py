@@ -129,8 +129,9 @@ class RunRegistry:
         owner: str = "",
     ) -> tuple[RunRecord, T]:
         """Start a run, all in one worker thread: wait up to `engine_wait_s` for a (re)starting
-        driver, build the run's args on the live engine with `prepare` (which may refuse the
-        request: then nothing is admitted), admit it (the concurrent-run limit) and start it.
+        driver, admit it (the concurrent-run limit, before any work for it), build the run's
+        args on the live engine with `prepare` (which may refuse the request: then its slot is
+        given back) and start it.
         One hop, and nothing that blocks (a thread start, instantiating the component) on the
         event loop, which serves every open stream. Returns the run and what `prepare` made."""
         loop = asyncio.get_running_loop()
@@ -140,9 +141,11 @@ class RunRegistry:
             engine, generation = self._supervisor.engine(engine_wait_s)
             if engine.num_available_pages == 0:
                 raise PagesExhausted(engine.num_pages)
-            args, prepared = prepare(engine)
+            # A run slot first: preparing may compile a grammar (seconds of host CPU), which a
+            # request must not get when every slot is busy.
             self._admit()
             try:
+                args, prepared = prepare(engine)
                 run_log = RunLog(f"a {kind} run", loop, self._run_config.max_inbound_bytes)
                 handle = self._sandbox.start(component, engine, list(args), io=run_log, config=self._run_config)
             except BaseException:

@@ -37,6 +37,8 @@ def parse_tools(tools: Any) -> list[Tool]:
             tools = json.loads(tools)
         except ValueError as exc:
             raise InvalidToolCall(f"tools are not valid JSON: {exc}") from None
+        except RecursionError:
+            raise InvalidToolCall("tools nest too deep to parse") from None
     if not isinstance(tools, list) or not tools:
         raise InvalidToolCall("tools must be a non-empty list of functions")
     parsed: list[Tool] = []

@@ -88,7 +88,7 @@ def test_start_prepares_and_starts_off_the_event_loop() -> None:
     assert record.done.wait(5)
 
 
-def test_a_refused_preparation_admits_nothing_and_comes_before_the_run_limit() -> None:
+def test_the_run_limit_comes_before_preparation_and_a_refused_one_admits_nothing() -> None:
     runs, sandbox, _ = registry(1)
 
     def refuse(_engine: Any) -> tuple[list[str], None]:
@@ -102,9 +102,16 @@ def test_a_refused_preparation_admits_nothing_and_comes_before_the_run_limit() -
             await runs.start(object(), "chat", "chat", 1.0, refuse)
         assert runs.num_running == 0 and sandbox.handles == []
         record, _ = await runs.start(object(), "chat", "chat", 1.0, accept)
-        # At the limit, a bad request still gets its 400, not a 429.
-        with pytest.raises(InvalidRequest):
-            await runs.start(object(), "chat", "chat", 1.0, refuse)
+        # At the limit nothing is prepared (a grammar compile is host CPU): a 429 at once.
+        prepared: list[object] = []
+
+        def spy(engine: Any) -> tuple[list[str], None]:
+            prepared.append(engine)
+            raise InvalidRequest("bad request")
+
+        with pytest.raises(TooManyRuns):
+            await runs.start(object(), "chat", "chat", 1.0, spy)
+        assert prepared == []
         with pytest.raises(TooManyRuns):
             await runs.start(object(), "chat", "chat", 1.0, accept)
         return record

@@ -15,6 +15,7 @@ from host.grammar import (
     InvalidGrammar,
     InvalidJSONSchema,
     InvalidRegex,
+    InvalidToolCall,
     TokenizerSpec,
     UnsupportedSchema,
 )
@@ -178,3 +179,26 @@ def test_long_max_lengths_are_listed_not_enforced(byte_compiler: GrammarCompiler
     assert not _accepts(byte_compiler, json.dumps(schema), '{"x":"' + "a" * 50 + '"}', max_length_limit=40)
     with pytest.raises(UnsupportedSchema, match="maxLength above 32"):
         byte_compiler.json_schema(schema, reject_unsupported=True)
+
+
+def _nested_arrays(depth: int) -> dict[str, object]:
+    schema: dict[str, object] = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def test_grammars_too_big_to_compile_quickly_are_refused_before_compiling(byte_compiler: GrammarCompiler) -> None:
+    # Arrays 800 deep compiled for over a minute, a 1 MB pattern about as long: refused at once,
+    # naming the limit; a schema just inside the depth limit still compiles.
+    with pytest.raises(InvalidJSONSchema, match="nests deeper than the 128 levels"):
+        byte_compiler.json_schema(json.dumps(_nested_arrays(800)))
+    with pytest.raises(InvalidJSONSchema, match="nests deeper than the 128 levels"):
+        byte_compiler.json_schema("[" * 100_000 + "]" * 100_000)  # past the parser's own recursion
+    with pytest.raises(InvalidJSONSchema, match="pattern at /properties/p/pattern is longer than the 16384"):
+        byte_compiler.json_schema({"type": "object", "properties": {"p": {"type": "string", "pattern": "a" * 20_000}}})
+    with pytest.raises(InvalidRegex, match="more than the 16384 this host compiles"):
+        byte_compiler.regex("a" * (1 << 20))
+    with pytest.raises(InvalidToolCall, match="nests deeper"):
+        byte_compiler.tool_call([{"name": "f", "parameters": _nested_arrays(800)}])
+    assert byte_compiler.json_schema(json.dumps(_nested_arrays(60))) is not None

@@ -53,21 +53,24 @@ _WASM_BODY = {
 
 
 @router.post("/v1/inferlets", summary="Upload an inferlet component", openapi_extra=_WASM_BODY, status_code=201)
-async def upload(request: Request) -> JSONResponse:
+async def upload(
+    request: Request, shared: Annotated[bool, Query(description="visible to every API key, not only this one")] = False
+) -> JSONResponse:
     data = await request.body()
-    entry, is_new = await anyio.to_thread.run_sync(daemon_of(request).store.add, data)
+    store = daemon_of(request).store
+    entry, is_new = await anyio.to_thread.run_sync(store.add, data, key_id_of(request), shared)
     return JSONResponse(entry.describe(), status_code=201 if is_new else 200)
 
 
 @router.get("/v1/inferlets", summary="List uploaded inferlets")
 async def list_inferlets(request: Request) -> dict[str, Any]:
-    entries = await anyio.to_thread.run_sync(daemon_of(request).store.list)
+    entries = await anyio.to_thread.run_sync(daemon_of(request).store.list, key_id_of(request))
     return {"object": "list", "data": [e.describe() for e in entries]}
 
 
 @router.get("/v1/inferlets/{inferlet_id}", summary="Describe an uploaded inferlet")
 async def get_inferlet(request: Request, inferlet_id: str) -> dict[str, Any]:
-    return daemon_of(request).store.get(inferlet_id).describe()
+    return daemon_of(request).store.get(inferlet_id, key_id_of(request)).describe()
 
 
 @router.post("/v1/runs", summary="Start a run of an inferlet", openapi_extra=_body(StartRun), status_code=201)
@@ -77,7 +80,7 @@ async def start_run(request: Request) -> JSONResponse:
     if body.inferlet == CHAT_INFERLET:
         component = daemon.chat_component
     else:
-        component = await anyio.to_thread.run_sync(daemon.store.load, body.inferlet)
+        component = await anyio.to_thread.run_sync(daemon.store.load, body.inferlet, key_id_of(request))
     record, _ = await daemon.runs.start(
         component, body.inferlet, "inferlet", ENGINE_WAIT_S, lambda _engine: (body.args, None), owner=key_id_of(request)
     )

@@ -34,6 +34,23 @@ def test_upload_is_idempotent_and_listed(server: Server, echo_id: str) -> None:
         assert http.get("/v1/inferlets/latest").status_code == 400
 
 
+def test_uploads_are_scoped_to_their_key_unless_shared(server: Server, echo_id: str) -> None:
+    with server.http(key=OTHER_KEY) as other, server.http() as mine:
+        # Another key's upload does not exist for this one: not listed, not found, not runnable.
+        assert echo_id not in [e["id"] for e in other.get("/v1/inferlets").json()["data"]]
+        assert other.get(f"/v1/inferlets/{echo_id}").status_code == 404
+        refused = other.post("/v1/runs", json={"inferlet": echo_id, "args": ["echo"]})
+        assert refused.status_code == 404 and refused.json()["error"]["code"] == "inferlet_not_found"
+        # Uploading the same bytes gives this key its own right to it (new to it: 201).
+        uploaded = other.post("/v1/inferlets", content=server.echo_wasm.read_bytes())
+        assert uploaded.status_code == 201 and uploaded.json() == {**uploaded.json(), "id": echo_id, "shared": False}
+        assert other.get(f"/v1/inferlets/{echo_id}").status_code == 200
+        # An explicit share makes it every key's; it stays shared.
+        shared = other.post("/v1/inferlets", params={"shared": "true"}, content=server.echo_wasm.read_bytes())
+        assert shared.status_code == 200 and shared.json()["shared"] is True
+        assert mine.get(f"/v1/inferlets/{echo_id}").json()["shared"] is True
+
+
 def test_upload_refusals(server: Server) -> None:
     with server.http(key=None) as http:
         assert http.post("/v1/inferlets", content=b"\0asm").status_code == 401

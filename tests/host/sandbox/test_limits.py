@@ -5,6 +5,8 @@ waiting for a run are bounded and refused past it, and received ones free their 
 from __future__ import annotations
 
 import dataclasses
+import gc
+from pathlib import Path
 
 import pytest
 from wasmtime.component import Component
@@ -41,6 +43,31 @@ def test_an_output_flood_ends_at_the_output_limit(
     assert outcome.error is not None and "output limit exceeded" in outcome.error
     assert "8388608 bytes" in outcome.error
     assert (io.emitted if kind == "emit" else io.num_sent) == 8 * MIB  # the chunk past it never arrives
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux's /proc to read the RSS")
+def test_a_flood_kept_by_its_client_ends_at_the_default_limit_and_gives_its_memory_back(
+    sandbox: Sandbox, misbehave: Component, services: TableServices
+) -> None:
+    # As the acceptance has it: an unbounded emit flood (it would reach a GiB in seconds) into a
+    # client that keeps every chunk ends at the default 64 MiB, and the process's RSS is back
+    # within 100 MiB of where it started once the client lets go.
+    gc.collect()
+    before = _rss_bytes()
+    io = BufferedRunIO()
+    outcome = sandbox.start(misbehave, services, ["flood", "emit", "forever"], io=io).wait(120)
+    assert outcome.status is RunStatus.LIMIT_EXCEEDED
+    assert len(io.output) == 64 * MIB
+    del io, outcome
+    gc.collect()
+    assert _rss_bytes() - before < 100 * MIB
 
 
 def test_output_under_the_limit_is_all_delivered(

@@ -35,9 +35,9 @@ from host.errors import (
     EngineClosed,
     HostError,
     InvalidRequest,
-    PageQuotaExceeded,
     RunEnded,
 )
+from host.page_quota import PageQuota
 from host.pages import PageCopy, PageTable
 from host.pass_check import check_holes_masked, check_request
 from host.pass_loop import PassLoop
@@ -69,6 +69,7 @@ class Engine:
         max_decode_steps: int = 16,
         max_loaded_adapters: int = 64,
         max_run_page_fraction: float = 1.0,
+        max_group_page_fraction: float = 1.0,
     ) -> None:
         self._spec = spec
         self._max_decode_steps = max(1, min(max_decode_steps, MAX_DECODE_STEPS))
@@ -90,9 +91,8 @@ class Engine:
         self._ready_chains: list[tuple[_Chain, PassResult]] = []  # generations to continue
         self._pending_copies: list[PageCopy] = []
         self._adapters = AdapterTable(max_loaded_adapters)  # loaded on the driver, shared by runs
-        if not 0 < max_run_page_fraction <= 1:
-            raise InvalidRequest(f"max_run_page_fraction must be in (0, 1], got {max_run_page_fraction}")
-        self._max_run_page_fraction = max_run_page_fraction
+        self._quota_fractions = (max_run_page_fraction, max_group_page_fraction)
+        PageQuota(0, *self._quota_fractions)  # checks them now
         self._run_adapters: dict[int, set[int]] = {}
         self._adapter_lock = threading.Lock()
         self._grammar_lock = threading.Lock()
@@ -120,6 +120,7 @@ class Engine:
         adapter_dir: str = "",
         max_loaded_adapters: int = 64,
         max_run_page_fraction: float = 1.0,
+        max_group_page_fraction: float = 1.0,
         max_fill_chunk_tokens: int = 0,
         max_decode_steps: int = 16,
         startup_timeout_s: float = 60.0,
@@ -128,7 +129,8 @@ class Engine:
         "torch" (a subprocess on a Unix socket), "loopback" (in-process), "unix:PATH" or
         "tcp:HOST:PORT". `page_size`/`num_pages` 0 take the driver's defaults. `adapter_dir`:
         where adapter names are resolved (on the driver's machine; "" turns adapters off).
-        `max_run_page_fraction`: the most of the page pool one run's contexts may hold.
+        `max_run_page_fraction`: the most of the page pool one run's contexts may hold;
+        `max_group_page_fraction`: the most the runs of one group (`set_run_group`) may hold.
         `max_decode_steps`: the most steps of a multi-step request (host-side generation runs
         that many per pass while passes are short; 1 turns multi-step off)."""
         hello = Hello(
@@ -146,7 +148,13 @@ class Engine:
         spec = DriverSpec(driver, tuple(driver_args), driver_module, startup_timeout_s, hello)
         spec.kind  # noqa: B018 - validates the driver name before a thread starts
         engine = cls(
-            spec, adapter_dir, max_fill_chunk_tokens, max_decode_steps, max_loaded_adapters, max_run_page_fraction
+            spec,
+            adapter_dir,
+            max_fill_chunk_tokens,
+            max_decode_steps,
+            max_loaded_adapters,
+            max_run_page_fraction,
+            max_group_page_fraction,
         )
         engine._thread.start()
         engine._ready.wait()
@@ -219,17 +227,23 @@ class Engine:
         """PageQuotaExceeded if growing `context_id` by `num_tokens` (and `extra_pages`) would
         take its run's contexts past their share of the pool (lock held). Pages shared by
         contexts count once per context: a quota errs on the side of the others."""
-        quota = int(self._pages.num_pages * self._max_run_page_fraction)
-        if quota >= self._pages.num_pages:
+        if self._quota.is_unlimited:
             return
         ps = self._pages.page_size
         now = len(self._pages.pages(context_id))
         needed = max(0, -(-(self._pages.length(context_id) + num_tokens) // ps) - now) + extra_pages
         if needed == 0:
             return
-        held = sum(len(self._pages.pages(c)) for c, r in self._owner.items() if r == run_id)
-        if held + needed > quota:
-            raise PageQuotaExceeded(run_id, held, needed, quota)
+        held: dict[int, int] = {}
+        for c, r in self._owner.items():
+            held[r] = held.get(r, 0) + len(self._pages.pages(c))
+        self._quota.check(run_id, needed, held)
+
+    def set_run_group(self, run_id: int, group: str) -> None:
+        """Count `run_id` with the other runs of `group` (an API key) against the group's share
+        of the pages; call before the run's first pass."""
+        with self._lock:
+            self._quota.set_group(run_id, group)
 
     def context_length(self, run_id: int, context_id: int) -> int:
         with self._lock:
@@ -263,6 +277,7 @@ class Engine:
             for context_id in [c for c, r in self._owner.items() if r == run_id]:
                 self._drop_context(context_id, RunEnded(f"run {run_id} ended while its pass waited"))
             self._run_adapters.pop(run_id, None)
+            self._quota.forget(run_id)
 
     # ------------------------------------------------------------------ Services: passes
 
@@ -614,6 +629,7 @@ class Engine:
             )
         cache = PrefixCache() if unit else None
         self._pages = PageTable(h.num_pages, h.page_size, cache)
+        self._quota = PageQuota(h.num_pages, *self._quota_fractions)
         self._prefix = PrefixReuse(self._pages, cache) if cache is not None else None
         limits = PassLimits(
             max_requests_per_pass=h.max_requests_per_pass,

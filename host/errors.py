@@ -78,10 +78,10 @@ class EngineClosed(HostError):
 class PageQuotaExceeded(OutOfPages):
     """A pass would take its run past the run's share of the page pool."""
 
-    def __init__(self, run_id: int, held: int, needed: int, quota: int) -> None:
+    def __init__(self, holder: str, held: int, needed: int, quota: int, setting: str) -> None:
         HostError.__init__(
             self,
-            f"run {run_id} holds {held} KV pages and this pass needs {needed} more, past its quota of {quota} "
-            "(the daemon's run_max_pages_fraction of the pool): release or truncate contexts first",
+            f"{holder} hold{'s' if holder.startswith('run ') else ''} {held} KV pages and this pass needs {needed} "
+            f"more, past the quota of {quota} (the daemon's {setting} of the pool): release or truncate contexts first",
         )
-        self.run_id, self.held, self.needed, self.quota = run_id, held, needed, quota
+        self.held, self.needed, self.quota = held, needed, quota

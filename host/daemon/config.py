@@ -47,6 +47,7 @@ class DaemonConfig:
     max_loaded_adapters: int = 64
     max_loaded_component_mib: int = 1024  # compiled inferlets kept in memory (LRU past it)
     run_max_pages_fraction: float = 0.5  # of the KV page pool, the most one run's contexts may hold
+    key_max_pages_fraction: float = 0.75  # the most the runs of one API key may hold together
     max_upload_bytes: int = 64 * MIB
     max_request_bytes: int = 4 * MIB
     driver_startup_timeout_s: float = 300.0  # a first --compile start: kernels ~20 s, compiling ~70 s
@@ -224,8 +225,9 @@ def _check(c: DaemonConfig) -> None:
             raise ConfigError(key, f"must be at least {minimum:g}, got {getattr(c, key)}")
     if c.max_decode_steps > MAX_DECODE_STEPS:
         raise ConfigError("max_decode_steps", f"must be at most {MAX_DECODE_STEPS}, got {c.max_decode_steps}")
-    if not 0 < c.run_max_pages_fraction <= 1:
-        raise ConfigError("run_max_pages_fraction", f"must be in (0, 1], got {c.run_max_pages_fraction}")
+    for key in ("run_max_pages_fraction", "key_max_pages_fraction"):
+        if not 0 < getattr(c, key) <= 1:
+            raise ConfigError(key, f"must be in (0, 1], got {getattr(c, key)}")
     for key in ("run_timeout_s", "run_watchdog_s", "driver_startup_timeout_s"):
         if getattr(c, key) <= 0:
             raise ConfigError(key, f"must be positive, got {getattr(c, key)}")

@@ -147,7 +147,14 @@ class RunRegistry:
             try:
                 args, prepared = prepare(engine)
                 run_log = RunLog(f"a {kind} run", loop, self._run_config.max_inbound_bytes)
-                handle = self._sandbox.start(component, engine, list(args), io=run_log, config=self._run_config)
+                handle = self._sandbox.start(
+                    component,
+                    engine,
+                    list(args),
+                    io=run_log,
+                    config=self._run_config,
+                    on_run_id=lambda run_id: engine.set_run_group(run_id, owner),  # the key's page share
+                )
             except BaseException:
                 with self._lock:
                     self._num_running -= 1

@@ -157,6 +157,7 @@ class Supervisor:
                 adapter_dir=self._config.adapter_dir,
                 max_loaded_adapters=self._config.max_loaded_adapters,
                 max_run_page_fraction=self._config.run_max_pages_fraction,
+                max_group_page_fraction=self._config.key_max_pages_fraction,
                 startup_timeout_s=self._config.driver_startup_timeout_s,
             )
             with self._cond:

@@ -6,7 +6,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from wasmtime.component import Component
@@ -107,9 +107,10 @@ class Sandbox:
         args: Sequence[str] = (),
         io: RunIO | None = None,
         config: SandboxConfig | None = None,
+        on_run_id: Callable[[int], None] | None = None,
     ) -> RunHandle:
         """Start a run on its own thread; `config` overrides this sandbox's limits for this run
-        (the epoch tick is the sandbox's)."""
+        (the epoch tick is the sandbox's); `on_run_id` gets the run's id before it starts."""
         state = RunState(
             run_id=_next_run_id(),
             args=list(args),
@@ -119,6 +120,8 @@ class Sandbox:
             started_at_s=time.monotonic(),
         )
         run = Run(state, self._engine, self._linker, component)
+        if on_run_id is not None:
+            on_run_id(state.run_id)
         run.start()
         return RunHandle(run)
 

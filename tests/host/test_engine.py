@@ -427,7 +427,7 @@ def test_a_run_cannot_hold_more_than_its_share_of_the_pages() -> None:
         second = e.create_context(greedy)  # the quota is the run's, over all its contexts
         fill(e, greedy, second, [66] * 2)  # the 8th
         with pytest.raises(
-            PageQuotaExceeded, match=r"holds 8 KV pages and this pass needs 1 more, past its quota of 8"
+            PageQuotaExceeded, match=r"run \d+ holds 8 KV pages and this pass needs 1 more, past the quota of 8 \(the"
         ):
             fill(e, greedy, ctx, [67] * 3)
         assert e.context_length(greedy, ctx) == 28  # nothing was allocated
@@ -439,3 +439,21 @@ def test_a_run_cannot_hold_more_than_its_share_of_the_pages() -> None:
         fill(e, greedy, ctx, [69] * 2)  # within the quota again
         e.end_run(greedy)
         e.end_run(other)
+
+
+def test_the_runs_of_one_group_share_a_quota() -> None:
+    # 16 pages of 4 tokens; a run may hold 12, a group 12: two runs of one group cannot take
+    # more than 12 together, a run of another group still gets its pages.
+    args = ["--num-pages", "16", "--page-size", "4"]
+    with Engine.start("dummy", args, max_run_page_fraction=0.75, max_group_page_fraction=0.75) as e:
+        first, second, stranger = next(_runs), next(_runs), next(_runs)
+        for run, group in ((first, "key-a"), (second, "key-a"), (stranger, "key-b")):
+            e.set_run_group(run, group)
+        fill(e, first, e.create_context(first), [65] * 32)  # 8 pages
+        theirs = e.create_context(second)
+        fill(e, second, theirs, [66] * 16)  # 4 more: 12
+        with pytest.raises(PageQuotaExceeded, match="the runs of its API key hold 12 KV pages"):
+            fill(e, second, theirs, [67])
+        fill(e, stranger, e.create_context(stranger), [68] * 16)  # the other group's 4
+        for run in (first, second, stranger):
+            e.end_run(run)

@@ -37,15 +37,23 @@ class FakeSandbox:
         self.start_threads: list[threading.Thread] = []
         self.handles: list[FakeHandle] = []
 
-    def start(self, component: Any, engine: Any, args: list[str], io: Any, config: Any) -> FakeHandle:
+    def start(
+        self, component: Any, engine: Any, args: list[str], io: Any, config: Any, on_run_id: Any = None
+    ) -> FakeHandle:
         self.start_threads.append(threading.current_thread())
         self.handles.append(FakeHandle(len(self.handles) + 1))
+        if on_run_id is not None:
+            on_run_id(self.handles[-1].run_id)
         return self.handles[-1]
 
 
 class FakeEngine:
     num_available_pages = 8
     num_pages = 8
+    groups: dict[int, str] = {}  # noqa: RUF012 - one per test process, read by one test
+
+    def set_run_group(self, run_id: int, group: str) -> None:
+        self.groups[run_id] = group
 
     def __str__(self) -> str:
         return "the engine"
@@ -81,6 +89,7 @@ def test_start_prepares_and_starts_off_the_event_loop() -> None:
     record, prepared, loop_thread = asyncio.run(scenario())
     assert prepared == "prepared on the engine"
     assert (record.run_id, record.generation, record.owner) == (1, 7, "k")
+    assert FakeEngine.groups[1] == "k"  # the run counts against its key's share of the pages
     # One hop: the engine wait, the preparation and the start ran on the same worker thread.
     threads = {*supervisor.engine_threads, *prepare_threads, *sandbox.start_threads}
     assert len(threads) == 1 and loop_thread not in threads

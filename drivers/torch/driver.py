@@ -194,10 +194,12 @@ class TorchDriver:
             return ""
         if not cpu_kernels.load() or (variant := cpu_kernels.variants()["w8a8"]) == "portable":
             return ""
-        flags = ([] if o.weights == "w8a8" else ["--weights w8a8"]) + ([] if o.compile else ["--compile"])
+        flags = ([] if o.weights == "w8a8" else ["--weights", "w8a8"]) + ([] if o.compile else ["--compile"])
+        serve = " ".join(f"--driver-arg={f}" for f in flags)
         return (
             f"faster on this CPU: {' '.join(flags)} (int8 matmuls run the {variant} kernel here; w8a8 costs some "
-            "accuracy and --compile tens of seconds at the first start: docs/torch-driver.md)"
+            f"accuracy and --compile tens of seconds at the first start: docs/torch-driver.md; with wafer serve: "
+            f"{serve})"
         )
 
     def info(self) -> dict[str, int | float | str]:

@@ -468,6 +468,7 @@ def test_the_driver_names_the_faster_configuration(kernel: None, tmp_path: Path)
     hint = TorchDriver(ckpt, DriverOptions(num_pages=8)).faster_configuration()
     assert hint.startswith("faster on this CPU: --weights w8a8 --compile (int8 matmuls run the ")
     assert f"the {cpu_kernels.variants()['w8a8']} kernel" in hint
+    assert hint.endswith("with wafer serve: --driver-arg=--weights --driver-arg=w8a8 --driver-arg=--compile)")
     w8a8 = TorchDriver(ckpt, DriverOptions(weights="w8a8", num_pages=8)).faster_configuration()
     assert w8a8.startswith("faster on this CPU: --compile (")
     assert TorchDriver(ckpt, DriverOptions(dtype="bfloat16", num_pages=8)).faster_configuration() == ""

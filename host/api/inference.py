@@ -374,7 +374,10 @@ class _HostLoop:
         if token in self.stop:
             return False
         if self.text is not None and (piece := self.text.push(token)):
-            self.run.io.emit(piece)
+            try:
+                self.run.emit(piece)
+            except wasmtime.WasmtimeError:  # past the output limit: the run stops at `generate`'s end
+                return False
         return len(self.tokens) < self.max_tokens
 
 

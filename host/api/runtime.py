@@ -23,8 +23,7 @@ def run_id(run: RunState) -> int:
 
 @host_function
 def emit(run: RunState, chunk: str) -> None:
-    run.charge_output(chunk)
-    run.io.emit(chunk)
+    run.emit(chunk)
 
 
 @host_function

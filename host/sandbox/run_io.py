@@ -16,6 +16,11 @@ _log = logging.getLogger("wafer.run")
 _CLOSED = object()
 
 
+def utf8_len(text: str) -> int:
+    """`text`'s length in UTF-8 bytes (without encoding it when it is ASCII, the common case)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
 class RunIO(Protocol):
     """What `runtime` host functions call. Implementations must be thread-safe."""
 
@@ -43,7 +48,7 @@ class Inbox:
 
     def push(self, message: str) -> None:
         """Queue `message`; InboxFull (nothing queued) past the limit."""
-        size = len(message.encode("utf-8", "surrogatepass"))
+        size = utf8_len(message)
         with self._lock:
             if self._pending_bytes + size > self._max_bytes:
                 raise InboxFull(
@@ -67,7 +72,7 @@ class Inbox:
             return None
         assert isinstance(item, str)
         with self._lock:
-            self._pending_bytes -= len(item.encode("utf-8", "surrogatepass"))
+            self._pending_bytes -= utf8_len(item)
         return item
 
 

@@ -15,7 +15,7 @@ import wasmtime
 from host.sandbox.config import SandboxConfig
 from host.sandbox.outcome import RunStatus
 from host.sandbox.resources import ResourceTable
-from host.sandbox.run_io import RunIO
+from host.sandbox.run_io import RunIO, utf8_len
 from host.services import Services
 
 _current = threading.local()
@@ -105,9 +105,16 @@ class RunState:
     def release_pass_buffers(self, num_bytes: int) -> None:
         self.pass_buffer_bytes -= num_bytes
 
+    def emit(self, text: str) -> None:
+        """Deliver output to the client, charged to the output limit (every emit goes here:
+        the guest's, and the text host-side generation streams)."""
+        self.charge_output(text)
+        self.io.emit(text)
+
     def charge_output(self, text: str) -> None:
-        """Count `text` (an emit or a send) against the run's output limit; past it, end the run."""
-        self.output_bytes += len(text.encode("utf-8", "surrogatepass"))
+        """Count `text` (an emit or a send) against the run's output limit; past it, end the run
+        (raised here, and again at the run's next host call, whichever thread charged it)."""
+        self.output_bytes += utf8_len(text)
         limit = self.config.max_output_bytes
         if self.output_bytes > limit:
             raise self.stop(
@@ -123,6 +130,8 @@ class RunState:
             raise wasmtime.WasmtimeError("run cancelled")
         if self.remaining_s() <= 0:
             raise self.stop(f"wall-clock budget of {self.config.wall_budget_s:g} s exhausted", RunStatus.TIMED_OUT)
+        if self.stop_reason is not None and self.stop_status is RunStatus.LIMIT_EXCEEDED:
+            raise wasmtime.WasmtimeError(self.stop_reason)  # passed off the run's thread
 
 
 def bind_current(state: RunState | None) -> None:

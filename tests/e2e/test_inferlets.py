@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Sequence
@@ -186,6 +187,19 @@ def test_passes_run_through_a_loaded_adapter(
     assert name == "demo-lora"
     assert len(tokens.split(",")) == 4
     assert int(engine.driver_health()["adapter_loads"]) == loads_before + 1
+
+
+def test_text_the_host_generates_counts_against_the_output_limit(
+    sandbox: Sandbox, components: dict[str, Component], engine: Engine
+) -> None:
+    # `complete(emit_text=True)` streams from the engine's thread, not through `emit`: the same
+    # limit holds, and the run ends at its next host call.
+    config = dataclasses.replace(sandbox.config, max_output_bytes=2048)
+    io = BufferedRunIO()
+    outcome = sandbox.start(components["misbehave"], engine, ["complete_flood"], io=io, config=config).wait(120)
+    assert outcome.status is RunStatus.LIMIT_EXCEEDED, outcome.error
+    assert outcome.error is not None and "output limit exceeded" in outcome.error
+    assert 0 < len(io.output.encode()) <= 2048
 
 
 def test_an_adapter_path_from_the_guest_is_refused_before_the_driver(

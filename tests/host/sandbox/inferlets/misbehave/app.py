@@ -196,6 +196,15 @@ def clock(args):
     emit(json.dumps({"monotonic": b >= a, "wall": time.time() > 1.6e9}))
 
 
+def complete_flood(args):
+    """Let the host stream generated text to the output, call after call, without end."""
+    with Context() as ctx:
+        ctx.fill([65])
+        while True:
+            ctx.complete(32, stop=[], emit_text=True)
+            ctx.truncate(1)  # stay far from the context limit
+
+
 def print_out(args):
     print("hello on stdout")
     print("hello on stderr", file=sys.stderr)
@@ -225,6 +234,7 @@ BEHAVIOURS = {
         panic,
         sleep,
         clock,
+        complete_flood,
     )
 }
 

@@ -91,8 +91,8 @@ class Engine:
         self._ready_chains: list[tuple[_Chain, PassResult]] = []  # generations to continue
         self._pending_copies: list[PageCopy] = []
         self._adapters = AdapterTable(max_loaded_adapters)  # loaded on the driver, shared by runs
-        self._quota_fractions = (max_run_page_fraction, max_group_page_fraction)
-        PageQuota(0, *self._quota_fractions)  # checks them now
+        # The pool's size comes with the handshake.
+        self._quota = PageQuota(0, max_run_page_fraction, max_group_page_fraction)
         self._run_adapters: dict[int, set[int]] = {}
         self._adapter_lock = threading.Lock()
         self._grammar_lock = threading.Lock()
@@ -629,7 +629,7 @@ class Engine:
             )
         cache = PrefixCache() if unit else None
         self._pages = PageTable(h.num_pages, h.page_size, cache)
-        self._quota = PageQuota(h.num_pages, *self._quota_fractions)
+        self._quota.num_pages = h.num_pages
         self._prefix = PrefixReuse(self._pages, cache) if cache is not None else None
         limits = PassLimits(
             max_requests_per_pass=h.max_requests_per_pass,

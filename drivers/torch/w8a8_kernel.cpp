@@ -280,22 +280,23 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous(), "w_scale: one float32 per output");
   TORCH_CHECK(w_sum.scalar_type() == at::kInt && w_sum.is_contiguous() && w_sum.numel() == n,
               "w_sum: one int32 per output");
+  if (m == 0 || n == 0) return at::empty({m, n}, x.options());
   const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return y;
+  // The fastest variant quantizes the rows either way; the float32 path then multiplies them.
+  const Isa fastest = wafer::pick(kLevels);
   const bool sgemm = sgemm_from_rows > 0 && m >= sgemm_from_rows;
-  const Isa isa = sgemm ? wafer::kPortable : wafer::pick(kLevels);
+  const Isa isa = sgemm ? wafer::kPortable : fastest;
   std::vector<int8_t> xq(static_cast<size_t>(m * kp), 0);
   std::vector<float> sx(static_cast<size_t>(m));
   const float* xp = xc.data_ptr<float>();
   auto quantize = quantize_row_portable;
 #if WAFER_X86
-  const Isa fastest = wafer::pick(kLevels);
   if (fastest == wafer::kAvx512Vnni) quantize = avx512::quantize_row;
   if (fastest == wafer::kAvx2Vnni || fastest == wafer::kAvx2) quantize = quantize_row_avx2;
 #endif
   for (int64_t i = 0; i < m; ++i) sx[i] = quantize(xp + i * k, k, xq.data() + i * kp);
   if (sgemm) return sgemm_path(xq, sx, m, kp, w, w_scale, n);
+  at::Tensor y = at::empty({m, n}, x.options());
   // The VNNI instructions multiply unsigned by signed bytes: their activations go in as q + 128.
   if (isa == wafer::kAvx512Vnni || isa == wafer::kAvx2Vnni) {
     for (int8_t& v : xq) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80);

@@ -96,10 +96,9 @@ class RunState:
         self.pass_buffer_bytes += num_bytes
         cap = self.config.memory_limit_bytes
         if self.pass_buffer_bytes > cap:
-            raise self.stop(
+            raise self._past_limit(
                 f"memory limit exceeded: the run's forward passes hold more than {cap} bytes of input on the "
-                "host (the run's memory cap; drop or execute passes as you build them)",
-                RunStatus.LIMIT_EXCEEDED,
+                "host (the run's memory cap; drop or execute passes as you build them)"
             )
 
     def release_pass_buffers(self, num_bytes: int) -> None:
@@ -117,11 +116,13 @@ class RunState:
         self.output_bytes += utf8_len(text)
         limit = self.config.max_output_bytes
         if self.output_bytes > limit:
-            raise self.stop(
+            raise self._past_limit(
                 f"output limit exceeded: the run emitted and sent more than {limit} bytes "
-                "(the daemon's run_max_output_mib)",
-                RunStatus.LIMIT_EXCEEDED,
+                "(the daemon's run_max_output_mib)"
             )
+
+    def _past_limit(self, reason: str) -> wasmtime.WasmtimeError:
+        return self.stop(reason, RunStatus.LIMIT_EXCEEDED)
 
     def check_can_continue(self) -> None:
         """Stop the guest at a host call if it was cancelled or is out of time."""

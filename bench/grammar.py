@@ -1,11 +1,17 @@
 """Grammar benchmark: compile time and per-token mask time with the SmolLM2 tokenizer (49,152).
 
-For each grammar: cold compile time (fresh compiler), strict and not strict for JSON schemas;
-then one valid output fed token by token, timing `fill_bitmask` and `accept` per token (p50,
-p90, max) and `jump_forward` (p50). Schemas come from tests/data/jsonschemas (vendored from the
-project's shared data). Prints a table, writes JSON.
+1. For each grammar: cold compile time (fresh compiler), strict and not strict for JSON schemas;
+   then one valid output fed token by token, timing `fill_bitmask` and `accept` per token (p50,
+   p90, max) and `jump_forward` (p50).
+2. The corpus (tests/data/jsonschemas, vendored from the project's shared data), per backend
+   (xgrammar, llguidance, auto) side by side: refused, compile p50/p99/max, and the mask time
+   per token p50/p99 over every valid instance, fed token by token.
+3. With --decode: grammar-constrained decode tokens/s next to unconstrained, SmolLM2 on the torch
+   driver, the chat inferlet run in the sandbox, batch 1 and 8, alternated repeats (medians).
 
-    python bench/grammar.py [--threads N] [--out bench/results/grammar.json]
+Prints tables, writes JSON.
+
+    python bench/grammar.py [--threads N] [--decode] [--repeat 3] [--out bench/results/grammar.json]
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from host.grammar import GrammarCompiler, TokenizerSpec, allocate_bitmask
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from host.grammar import GrammarCompiler, GrammarError, TokenizerSpec, allocate_bitmask
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "data" / "jsonschemas"
 CORPUS_PICKS = ("001_Github_trivial_o72207.json", "069_Github_hard_o5374.json", "137_Kubernetes_kb_161_Normalized.json")
@@ -128,9 +136,154 @@ def bench_case(
     }
 
 
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+# The corpus per backend: `strict` where xgrammar's non-strict compiles take up to 48 s each
+# (205 s for the corpus); "auto" also as the HTTP API compiles a response_format (JSON Schema
+# semantics).
+CORPUS_SIDES = (
+    ("xgrammar", True),
+    ("llguidance", True),
+    ("auto", True),
+    ("auto", False),
+)
+
+
+def bench_corpus(spec: TokenizerSpec, tokenizer: Any, threads: int) -> list[dict[str, Any]]:
+    from tests.host.grammar.schema_order import in_schema_order
+
+    paths = sorted((CORPUS / "schemas").glob("*.json"))
+    rows = []
+    for backend, strict in CORPUS_SIDES:
+        compiler = GrammarCompiler(spec, max_threads=threads, cache_size=1024, compile_budget_s=0)
+        compile_ms: list[float] = []
+        mask_us: list[float] = []
+        refused = 0
+        used: dict[str, int] = {}
+        print(f"  corpus: {backend} strict={strict} ...", file=sys.stderr, flush=True)
+        for path in paths:
+            text = path.read_text()
+            start = time.perf_counter()
+            try:
+                grammar = compiler.json_schema(
+                    text, strict=strict, reject_unsupported=True, max_length_limit=2**31 - 1, backend=backend
+                )
+            except GrammarError:
+                refused += 1
+                continue
+            finally:
+                compile_ms.append((time.perf_counter() - start) * 1e3)
+            used[grammar.backend] = used.get(grammar.backend, 0) + 1
+            schema = json.loads(text)
+            mask = allocate_bitmask(spec.vocab_size)
+            for case in json.loads((CORPUS / "instances" / path.name).read_text())["tests"]:
+                if not case["valid"]:
+                    continue
+                output = json.dumps(in_schema_order(schema, schema, case["data"]), separators=(",", ":"))
+                matcher = grammar.matcher()
+                for token in tokenizer.encode(output, add_special_tokens=False).ids:
+                    t0 = time.perf_counter()
+                    matcher.fill_bitmask(mask)
+                    mask_us.append((time.perf_counter() - t0) * 1e6)
+                    if not matcher.accept(token):
+                        break
+        rows.append(
+            {
+                "backend": backend,
+                "strict": strict,
+                "refused": f"{refused}/{len(paths)}",
+                "compiled_by": " ".join(f"{k}:{v}" for k, v in sorted(used.items())),
+                "compile_ms_p50": round(pct(compile_ms, 0.5), 1),
+                "compile_ms_p99": round(pct(compile_ms, 0.99), 1),
+                "compile_ms_max": round(max(compile_ms), 1),
+                "mask_us_p50": round(pct(mask_us, 0.5), 1),
+                "mask_us_p99": round(pct(mask_us, 0.99), 1),
+                "masks": len(mask_us),
+            }
+        )
+    return rows
+
+
+# The constrained side's output: long enough that max_tokens, not the grammar, ends it.
+DECODE_SCHEMA = {
+    "type": "object",
+    "properties": {"lines": {"type": "array", "items": {"type": "string"}, "minItems": 40}},
+    "required": ["lines"],
+}
+
+
+def bench_decode(batches: list[int], tokens: int, repeat: int) -> list[dict[str, Any]]:
+    """SmolLM2 on the torch driver: the chat inferlet with and without a json_schema grammar, each
+    batch size alternated `repeat` times; tokens/s = tokens generated / wall seconds (medians)."""
+    from bench.serve import TimedIO, chat_request
+    from host.build import build
+    from host.engine import Engine
+    from host.sandbox.config import SandboxConfig, default_cache_dir
+    from host.sandbox.sandbox import Sandbox
+
+    base = chat_request("List forty short lines about the sea, as JSON.", tokens)
+    options = {"strict": False, "reject_unsupported": True, "max_length_limit": 2**31 - 1}
+    grammar = {"kind": "json-schema", "text": json.dumps(DECODE_SCHEMA), "options": options}
+    sides = {"unconstrained": base, "json_schema": {**base, "grammar": grammar}}
+    wasm = build("chat", default_cache_dir(), lambda msg: print(f"  chat inferlet: {msg}", file=sys.stderr)).wasm_path
+    results: dict[tuple[str, int], list[float]] = {}
+    print("  decode: starting the torch driver (SmolLM2) ...", file=sys.stderr, flush=True)
+    with (
+        Sandbox(SandboxConfig(cache_dir=default_cache_dir())) as sandbox,
+        Engine.start("torch", ["--dtype", "float32"], speculation_depth=1, startup_timeout_s=900) as engine,
+    ):
+        component = sandbox.load(wasm)
+        for round_ in range(repeat + 1):  # round 0 warms up (compiles, caches) and is not counted
+            for batch in batches:
+                for side, request in sides.items():
+                    ios = [TimedIO() for _ in range(batch)]
+                    t0 = time.perf_counter()
+                    handles = [
+                        sandbox.start(component, engine, [json.dumps({**request, "seed": i})], io=io)
+                        for i, io in enumerate(ios)
+                    ]
+                    for handle in handles:
+                        result = handle.wait()
+                        assert result.is_ok, result
+                    wall = time.perf_counter() - t0
+                    if round_:
+                        results.setdefault((side, batch), []).append(sum(io.generated for io in ios) / wall)
+            print(f"  decode: round {round_}/{repeat} done", file=sys.stderr, flush=True)
+    rows = []
+    for batch in batches:
+        free = statistics.median(results[("unconstrained", batch)])
+        constrained = statistics.median(results[("json_schema", batch)])
+        rows.append(
+            {
+                "batch": batch,
+                "unconstrained_tok_s": round(free, 1),
+                "json_schema_tok_s": round(constrained, 1),
+                "ratio": round(constrained / free, 3),
+            }
+        )
+    return rows
+
+
+def print_table(title: str, rows: list[dict[str, Any]]) -> None:
+    columns = list(rows[0])
+    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in columns]
+    print(title)
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
+    for row in rows:
+        print("  ".join(str(row[c]).ljust(w) for c, w in zip(columns, widths, strict=True)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="xgrammar compile threads")
+    parser.add_argument("--decode", action="store_true", help="also constrained vs unconstrained decode on SmolLM2")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens each decode run generates")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--no-corpus", action="store_true")
     parser.add_argument("--out", default="bench/results/grammar.json")
     args = parser.parse_args()
     start = time.perf_counter()
@@ -138,17 +291,18 @@ def main() -> None:
     GrammarCompiler(spec)  # builds and caches the token table, timed separately
     table_s = time.perf_counter() - start
     rows = [bench_case(spec, tokenizer, args.threads, case) for case in cases()]
-    columns = list(rows[0])
-    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in columns]
     print(f"SmolLM2 tokenizer: vocab {spec.vocab_size}, token table + tokenizer load {table_s:.2f} s")
-    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
-    for row in rows:
-        print("  ".join(str(row[c]).ljust(w) for c, w in zip(columns, widths, strict=True)))
+    print_table("per grammar (default backend):", rows)
+    report: dict[str, Any] = {"vocab_size": spec.vocab_size, "threads": args.threads, "table_s": table_s, "rows": rows}
+    if not args.no_corpus:
+        report["corpus"] = bench_corpus(spec, tokenizer, args.threads)
+        print_table("corpus per backend (reject_unsupported, every maxLength enforced):", report["corpus"])
+    if args.decode:
+        report["decode"] = bench_decode([int(b) for b in args.batches.split(",")], args.tokens, args.repeat)
+        print_table("decode, SmolLM2 float32 (chat inferlet, medians):", report["decode"])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps({"vocab_size": spec.vocab_size, "threads": args.threads, "table_s": table_s, "rows": rows}, indent=1)
-    )
+    out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")
 
 

@@ -121,10 +121,11 @@ class TimedIO(BufferedRunIO):
         self.generated += sum(num_tokens for _index, _reason, num_tokens in body.get("finished", ()))
 
 
-def in_process(driver: str, driver_args: list[str], streams: int, tokens: int, model: str) -> dict[str, float]:
-    wasm = build("chat", default_cache_dir()).wasm_path
-    request = {
-        "prompts": [{"messages": [["user", QUESTION]]}],
+def chat_request(question: str, tokens: int) -> dict[str, Any]:
+    """The chat inferlet's argument for one sampled choice of `tokens` tokens (ignore_eos: every
+    stream generates exactly that many, unless a grammar ends it)."""
+    return {
+        "prompts": [{"messages": [["user", question]]}],
         "n": 1,
         "max_tokens": tokens,
         "stop": [],
@@ -132,8 +133,13 @@ def in_process(driver: str, driver_args: list[str], streams: int, tokens: int, m
         "top_p": 1.0,
         "logprobs": False,
         "top_logprobs": 0,
-        "ignore_eos": True,  # every stream generates `tokens` tokens, in both setups
+        "ignore_eos": True,
     }
+
+
+def in_process(driver: str, driver_args: list[str], streams: int, tokens: int, model: str) -> dict[str, float]:
+    wasm = build("chat", default_cache_dir()).wasm_path
+    request = chat_request(QUESTION, tokens)
     with (
         Sandbox(SandboxConfig(cache_dir=default_cache_dir())) as sandbox,
         Engine.start(driver, driver_args, speculation_depth=1, startup_timeout_s=600) as engine,

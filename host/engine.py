@@ -70,8 +70,10 @@ class Engine:
         max_loaded_adapters: int = 64,
         max_run_page_fraction: float = 1.0,
         max_group_page_fraction: float = 1.0,
+        grammar_compile_budget_s: float = 10.0,
     ) -> None:
         self._spec = spec
+        self._grammar_compile_budget_s = grammar_compile_budget_s
         self._max_decode_steps = max(1, min(max_decode_steps, MAX_DECODE_STEPS))
         self._is_multi_step = False  # set from the handshake
         self._step_s = 0.0  # moving average of a pass's time per decode step, send to reply
@@ -124,6 +126,7 @@ class Engine:
         max_fill_chunk_tokens: int = 0,
         max_decode_steps: int = 16,
         startup_timeout_s: float = 60.0,
+        grammar_compile_budget_s: float = 10.0,
     ) -> Engine:
         """Start (or connect to) the driver and wait for its handshake. `driver`: "dummy" or
         "torch" (a subprocess on a Unix socket), "loopback" (in-process), "unix:PATH" or
@@ -132,7 +135,8 @@ class Engine:
         `max_run_page_fraction`: the most of the page pool one run's contexts may hold;
         `max_group_page_fraction`: the most the runs of one group (`set_run_group`) may hold.
         `max_decode_steps`: the most steps of a multi-step request (host-side generation runs
-        that many per pass while passes are short; 1 turns multi-step off)."""
+        that many per pass while passes are short; 1 turns multi-step off).
+        `grammar_compile_budget_s`: the longest a grammar compile is waited for (0: no limit)."""
         hello = Hello(
             page_size=page_size,
             num_pages=num_pages,
@@ -155,6 +159,7 @@ class Engine:
             max_loaded_adapters,
             max_run_page_fraction,
             max_group_page_fraction,
+            grammar_compile_budget_s,
         )
         engine._thread.start()
         engine._ready.wait()
@@ -381,7 +386,8 @@ class Engine:
             if self._grammar_compiler is None:
                 from host.grammar import GrammarCompiler, TokenizerSpec
 
-                self._grammar_compiler = GrammarCompiler(TokenizerSpec.from_handshake(self._handshake))
+                spec = TokenizerSpec.from_handshake(self._handshake)
+                self._grammar_compiler = GrammarCompiler(spec, compile_budget_s=self._grammar_compile_budget_s)
             return self._grammar_compiler
 
     def speculation_stats(self) -> dict[str, int]:

@@ -57,7 +57,8 @@ def compile_grammar(run: RunState, kind: str, text: str, options: str) -> Resour
     if not isinstance(parsed, dict):
         return "grammar options must be a JSON object"
     try:
-        grammar = run.services.grammars().compile(_KINDS[kind], text, parsed)
+        # Waits in slices: cancellation and the wall clock stop the run during a long compile.
+        grammar = run.services.grammars().compile(_KINDS[kind], text, parsed, may_wait=run.check_can_continue)
     except HostError as exc:  # grammar errors are HostErrors
         return error_text(exc)
     return ResourceHost.own(run.resources.add(ResourceKind.GRAMMAR, grammar), int(ResourceKind.GRAMMAR))

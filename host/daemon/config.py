@@ -48,6 +48,10 @@ class DaemonConfig:
     max_loaded_component_mib: int = 1024  # compiled inferlets kept in memory (LRU past it)
     run_max_pages_fraction: float = 0.5  # of the KV page pool, the most one run's contexts may hold
     key_max_pages_fraction: float = 0.75  # the most the runs of one API key may hold together
+    # OpenAI's rule for response_format json_object: the messages must say "json" (off: vLLM,
+    # SGLang and llama.cpp accept such requests, and clients written for them send them).
+    json_object_requires_json_word: bool = False
+    grammar_compile_budget_s: float = 10.0  # the longest a request or run waits for one compile (0: none)
     max_upload_bytes: int = 64 * MIB
     max_request_bytes: int = 4 * MIB
     driver_startup_timeout_s: float = 300.0  # a first --compile start: kernels ~20 s, compiling ~70 s
@@ -142,6 +146,11 @@ def _from_env(key: str, value: str) -> Any:
             return shlex.split(value)
         except ValueError as exc:
             raise ConfigError(key, f"cannot split {value!r} into arguments: {exc}") from None
+    if isinstance(default, bool):
+        word = value.strip().lower()
+        if word not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+            raise ConfigError(key, f"expected true or false, got {value!r} (from {ENV_PREFIX}{key.upper()})")
+        return word in ("1", "true", "yes", "on")
     if isinstance(default, int):
         try:
             return int(value.strip())
@@ -171,6 +180,10 @@ def _build(raw: Mapping[str, Any]) -> DaemonConfig:
 def _coerce(key: str, value: Any, default: Any) -> Any:
     """Check the value against the default's type (the environment's strings are parsed already)."""
     kind = type(default)
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(key, f"expected true or false, got {value!r}")
+        return value
     if isinstance(default, int):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(key, f"expected an integer, got {value!r}")
@@ -218,6 +231,7 @@ def _check(c: DaemonConfig) -> None:
         "max_upload_bytes": 1,
         "max_request_bytes": 1024,
         "drain_timeout_s": 0,
+        "grammar_compile_budget_s": 0,
         "restart_backoff_initial_s": 0.01,
     }
     for key, minimum in minimums.items():

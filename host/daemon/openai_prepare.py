@@ -52,6 +52,7 @@ class Job:
     stream: bool
     include_usage: bool
     tool_call: str = ""  # "" (text), "forced" (the output is one call) or "auto" (text, calls in markers)
+    echo: tuple[str, ...] = ()  # completions with echo: each prompt's text, which its choices start with
 
 
 def check_model(requested: str, served: str) -> None:
@@ -63,9 +64,16 @@ def check_model(requested: str, served: str) -> None:
         )
 
 
-def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokenizer, grammars: GrammarSource) -> Job:
+def prepare_chat(
+    req: ChatCompletionRequest,
+    model: ModelInfo,
+    tokenizer: Tokenizer,
+    grammars: GrammarSource,
+    *,
+    json_object_requires_json_word: bool = False,
+) -> Job:
     _check_unsupported_sampling(req.frequency_penalty, req.presence_penalty, req.logit_bias)
-    grammar = _check_response_format(req)
+    grammar = _check_response_format(req, json_object_requires_json_word)
     tools_grammar, tool_call = _check_tools(req)
     if grammar is not None and tools_grammar is not None:
         raise InvalidRequest(
@@ -101,8 +109,12 @@ def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokeni
 
 def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Tokenizer, grammars: GrammarSource) -> Job:
     _check_unsupported_sampling(req.frequency_penalty, req.presence_penalty, req.logit_bias)
-    if req.echo:
-        raise InvalidRequest("echo is not supported", param="echo", code="unsupported_parameter")
+    if req.echo and req.logprobs is not None:
+        raise InvalidRequest(
+            "echo with logprobs (the prompt's own logprobs) is not supported yet; use echo or logprobs",
+            param="echo",
+            code="unsupported_parameter",
+        )
     if req.suffix:
         raise InvalidRequest("suffix is not supported", param="suffix", code="unsupported_parameter")
     n = req.n or 1
@@ -110,10 +122,12 @@ def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Toke
         raise InvalidRequest("best_of other than n is not supported", param="best_of", code="unsupported_parameter")
     prompts: list[dict[str, Any]] = []
     counts: list[int] = []
+    echo: list[str] = []
     for raw in _prompt_list(req.prompt):
         if isinstance(raw, str):
             tokens = tokenizer.encode(raw)
             prompts.append({"tokens": tokens})  # tokenized once, here
+            echo.append(raw)
         else:
             bad = [t for t in raw if t >= model.vocab_size]
             if bad:
@@ -122,13 +136,15 @@ def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Toke
                 )
             tokens = raw
             prompts.append({"tokens": raw})
+            echo.append(tokenizer.decode(raw) if req.echo else "")
         if not tokens:
             raise InvalidRequest("the prompt is empty", param="prompt")
         counts.append(len(tokens))
     limit = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     max_tokens = _fit_context(max(counts), limit, model.max_context, "prompt")
     logprobs = req.logprobs is not None
-    return _job(req, prompts, sum(counts), max_tokens, logprobs, req.logprobs or 0)
+    job = _job(req, prompts, sum(counts), max_tokens, logprobs, req.logprobs or 0)
+    return replace(job, echo=tuple(echo)) if req.echo else job
 
 
 def _job(
@@ -225,19 +241,23 @@ def _check_schema(schema: dict[str, Any], param: str) -> None:
         ) from None
 
 
-def _check_response_format(req: ChatCompletionRequest) -> dict[str, Any] | None:
+def _check_response_format(req: ChatCompletionRequest, requires_json_word: bool) -> dict[str, Any] | None:
     """The grammar the response must follow (for the chat inferlet), or None for text."""
     fmt = req.response_format
     if isinstance(fmt, JsonSchemaResponseFormat):
         schema = fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {}
         _check_schema(schema, "response_format.json_schema.schema")
-        # Always strict on our side: undeclared properties are refused (OpenAI's strict mode),
-        # and non-strict grammars of large schemas take many seconds to compile. A keyword the
-        # engine would not enforce is a 400 naming it: "stop" must mean the content validates.
-        options = {"strict": True, "reject_unsupported": True, "max_length_limit": ENFORCE_EVERY_MAX_LENGTH}
+        # `strict: true` is OpenAI's strict mode (properties the schema does not declare are
+        # refused); otherwise JSON Schema's own semantics. Either way a keyword no engine would
+        # enforce is a 400 naming it: "stop" must mean the content validates.
+        options = {
+            "strict": bool(fmt.json_schema.strict),
+            "reject_unsupported": True,
+            "max_length_limit": ENFORCE_EVERY_MAX_LENGTH,
+        }
         return {"kind": "json-schema", "text": json.dumps(schema), "options": options}
     if isinstance(fmt, JsonObjectFormat):
-        if not any("json" in _message_text(m).lower() for m in req.messages):
+        if requires_json_word and not any("json" in _message_text(m).lower() for m in req.messages):
             # The OpenAI API insists on this, so that the model is told to write JSON.
             raise InvalidRequest(
                 "'messages' must contain the word 'json' in some form, to use 'response_format' of type 'json_object'",
@@ -259,6 +279,8 @@ def _compile(grammars: GrammarSource, grammar: dict[str, Any]) -> None:
 
 def _check_tools(req: ChatCompletionRequest) -> tuple[dict[str, Any] | None, str]:
     """The tool-call grammar and mode ("forced" or "auto"), or (None, "") for plain text."""
+    if req.tools is not None and not req.tools:
+        raise InvalidRequest("tools must name at least one function (or be left out)", param="tools")
     if not req.tools:
         return None, ""
     names = set()

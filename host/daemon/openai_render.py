@@ -7,6 +7,7 @@ Pure: it sees parsed inferlet messages and a tokenizer, never a run or a socket.
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,8 @@ Update = tuple[int, str, list[LogprobEntry], str | None]  # a choice's (index, t
 # The markers around calls in "auto" mode: host.grammar.tool_call's defaults (not imported here:
 # that module loads xgrammar; a test checks they agree).
 CALL_BEGIN, CALL_END = "<tool_call>", "</tool_call>"
+# A forced call's text as the grammar writes it (compact), cut anywhere after the name.
+_CUT_CALL = re.compile(r'\{"name":("(?:[^"\\]|\\.)*"),"arguments":(.*)\Z', re.DOTALL)
 
 
 @dataclass(slots=True)
@@ -41,7 +44,8 @@ class Renderer:
         self._tokenizer = tokenizer
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}"
         self.created = int(time.time())
-        self.choices = [Choice(i) for i in range(job.num_prompts * job.n)]
+        # echo: a completion's text starts with its prompt's (streamed in the first chunk).
+        self.choices = [Choice(i, job.echo[i // job.n] if job.echo else "") for i in range(job.num_prompts * job.n)]
         self.prompt_tokens = job.prompt_tokens
         self._token_text: dict[int, str] = {}
 
@@ -89,7 +93,7 @@ class Renderer:
                 parsed = self.tool_calls(c)
                 if parsed is not None:
                     message["content"], message["tool_calls"] = parsed
-                    finish = "tool_calls"
+                    finish = "tool_calls" if c.finish_reason == "stop" else finish
                 logprobs = self._chat_logprobs(c.entries) if self.job.logprobs else None
                 choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish})
             obj = "chat.completion"
@@ -130,9 +134,14 @@ class Renderer:
         return chunk
 
     def first_chunks(self) -> list[dict[str, Any]]:
-        """Chat streams open each choice with the assistant role, as the OpenAI API does."""
+        """Chat streams open each choice with the assistant role, as the OpenAI API does;
+        completion streams with echo open each with its prompt's text."""
         if self.kind != "chat":
-            return []
+            return [
+                self._chunk([{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": None}])
+                for c in self.choices
+                if c.text
+            ]
         return [
             self._chunk(
                 [
@@ -191,7 +200,14 @@ class Renderer:
 
     def tool_calls(self, c: Choice) -> tuple[str | None, list[dict[str, Any]]] | None:
         """(content, tool_calls) of a finished tool-call choice, or None when it holds no
-        complete call (plain text in "auto" mode, or a call cut by max_tokens)."""
+        call (plain text in "auto" mode, or a cut one there). A forced call cut by max_tokens
+        is still a call, its arguments as far as they were generated (finish_reason "length")."""
+        if self.job.tool_call == "forced" and c.finish_reason == "length":
+            cut = _CUT_CALL.match(c.text)
+            if cut is None:  # cut inside the name: no call to speak of
+                return None
+            function = {"name": json.loads(cut.group(1)), "arguments": cut.group(2)}
+            return None, [{"id": f"call_{self.id[-16:]}_{c.index}_0", "type": "function", "function": function}]
         if not self.job.tool_call or c.finish_reason != "stop":
             return None
         raw_calls: list[str] = []
@@ -232,7 +248,7 @@ class Renderer:
             else:
                 content, calls = parsed
                 delta = {"content": content, "tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
-                finish = "tool_calls"
+                finish = "tool_calls" if choice.finish_reason == "stop" else finish
             chunks.append(self._chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]))
             chunks.append(self._chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}]))
         return chunks

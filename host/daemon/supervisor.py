@@ -159,6 +159,7 @@ class Supervisor:
                 max_run_page_fraction=self._config.run_max_pages_fraction,
                 max_group_page_fraction=self._config.key_max_pages_fraction,
                 startup_timeout_s=self._config.driver_startup_timeout_s,
+                grammar_compile_budget_s=self._config.grammar_compile_budget_s,
             )
             with self._cond:
                 self._generation += 1

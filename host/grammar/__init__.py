@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from host.grammar.compiler import OPTIONS, GrammarCompiler
 from host.grammar.errors import (
+    CompileBudgetExceeded,
     GrammarError,
     InvalidEBNF,
     InvalidGrammar,
@@ -30,6 +31,7 @@ from host.grammar.tokenizer_info import TokenizerSpec, token_table, tokenizer_in
 __all__ = [
     "KINDS",
     "OPTIONS",
+    "CompileBudgetExceeded",
     "Grammar",
     "GrammarCompiler",
     "GrammarError",

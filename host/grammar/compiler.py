@@ -1,11 +1,13 @@
 """Compiles grammars for one tokenizer and caches them by (kind, text, options) in an LRU.
 
-Thread-safe: inferlet threads share one compiler. Knows the grammar kinds and their options;
-the JSON schema and tool-call specifics live in schema_support and tool_call.
+Thread-safe: inferlet threads share one compiler. Knows the grammar kinds and their options,
+and which engine compiles a JSON schema (BACKENDS); the JSON schema and tool-call specifics
+live in schema_support and tool_call, llguidance's in llg_backend.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 import threading
@@ -16,8 +18,9 @@ from typing import Any
 
 import xgrammar as xgr
 
-from host.grammar import schema_support, tool_call
+from host.grammar import llg_backend, schema_support, tool_call
 from host.grammar.errors import (
+    CompileBudgetExceeded,
     InvalidEBNF,
     InvalidGrammar,
     InvalidJSONSchema,
@@ -35,7 +38,13 @@ Option = bool | str | int
 OPTIONS: dict[str, dict[str, Option]] = {
     "json_object": {"compact": True},
     "json": {"compact": True},
-    "json_schema": {"strict": True, "compact": True, "reject_unsupported": False, "max_length_limit": 32},
+    "json_schema": {
+        "strict": True,
+        "compact": True,
+        "reject_unsupported": False,
+        "max_length_limit": 32,
+        "backend": "auto",
+    },
     "regex": {},
     "ebnf": {"root": "root"},
     "tool_call": {
@@ -45,6 +54,7 @@ OPTIONS: dict[str, dict[str, Option]] = {
         "max_length_limit": 32,
         "call_begin": tool_call.DEFAULT_CALL_BEGIN,
         "call_end": tool_call.DEFAULT_CALL_END,
+        "backend": "auto",
     },
 }
 _ERRORS: dict[str, Callable[[str], InvalidGrammar]] = {
@@ -62,14 +72,42 @@ MAX_GRAMMAR_CHARS = {"regex": 16 * 1024, "ebnf": 256 * 1024, "json_schema": 1024
 MAX_PATTERN_CHARS = 16 * 1024  # a schema's `pattern` (and `patternProperties` keys)
 MAX_SCHEMA_DEPTH = 128  # nesting of the schema document (objects and arrays)
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " and may carry a failed check.
+# Which engine compiles a JSON schema. "auto": xgrammar when it enforces every keyword and its
+# compile is cheap (strict mode, no string bound above XGRAMMAR_CHEAP_MAX_LENGTH), else
+# llguidance; when llguidance refuses, xgrammar after all (it may then be slow, or leave
+# keywords unenforced). Measured on the 133-schema corpus with SmolLM2: xgrammar's non-strict
+# compiles took over a second for 30 schemas (up to 48 s), llguidance's 17 ms at most.
+BACKENDS = ("auto", "xgrammar", "llguidance")
+XGRAMMAR_CHEAP_MAX_LENGTH = 32
 _ENGINE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
-class GrammarCompiler:
-    """One per tokenizer (per driver). Grammars it returns are immutable and may be shared."""
+DEFAULT_COMPILE_BUDGET_S = 10.0
+_POLL_S = 0.1  # how often a waiting caller is asked whether it may go on waiting
 
-    def __init__(self, tokenizer: TokenizerSpec, *, cache_size: int = 256, max_threads: int = 2) -> None:
+
+class GrammarCompiler:
+    """One per tokenizer (per driver). Grammars it returns are immutable and may be shared.
+
+    Compiles run on their own threads, at most `compile_workers` at once, and a caller waits at
+    most `compile_budget_s` (0: no limit) for one: past it CompileBudgetExceeded is raised. A
+    compile cannot be interrupted, so it finishes in the background and is cached (a retry may
+    find it); the worker limit bounds the CPU such compiles take. Callers asking for a grammar
+    already being compiled wait for that one compile."""
+
+    def __init__(
+        self,
+        tokenizer: TokenizerSpec,
+        *,
+        cache_size: int = 256,
+        max_threads: int = 2,
+        compile_budget_s: float = DEFAULT_COMPILE_BUDGET_S,
+        compile_workers: int = 2,
+    ) -> None:
         self.tokenizer = tokenizer
+        self.compile_budget_s = compile_budget_s
+        self._workers = threading.BoundedSemaphore(max(1, compile_workers))
+        self._in_flight: dict[GrammarKey, concurrent.futures.Future[Grammar]] = {}
         info = tokenizer_info(tokenizer)
         self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
         self._utf8_guard = Utf8Guard.from_table(token_table(tokenizer))
@@ -97,18 +135,22 @@ class GrammarCompiler:
         compact: bool = True,
         reject_unsupported: bool = False,
         max_length_limit: int = 32,
+        backend: str = "auto",
     ) -> Grammar:
         """Output valid against `schema`. `strict`: properties and items the schema does not
-        declare are refused (even where the schema would allow them). `reject_unsupported`:
-        raise UnsupportedSchema instead of compiling keywords the engine does not enforce.
-        `max_length_limit`: string maxLength bounds above it are not enforced (listed in
-        `unsupported`), because each costs seconds to compile."""
+        declare are refused (even where the schema would allow them, as OpenAI's strict mode).
+        `reject_unsupported`: raise UnsupportedSchema instead of compiling keywords no engine
+        enforces. `max_length_limit`: on xgrammar, string maxLength bounds above it are not
+        enforced (listed in `unsupported`), because each costs seconds to compile there.
+        `backend`: one of BACKENDS. A `format` the draft's format checker does not know is an
+        annotation (a plain string), as JSON Schema reads it."""
         text = schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False)
-        options = {
+        options: dict[str, Option] = {
             "strict": strict,
             "compact": compact,
             "reject_unsupported": reject_unsupported,
             "max_length_limit": max_length_limit,
+            "backend": backend,
         }
         return self.compile("json_schema", text, options)
 
@@ -131,8 +173,17 @@ class GrammarCompiler:
 
     # ------------------------------------------------------------ generic entry and cache
 
-    def compile(self, kind: str, text: str, options: Mapping[str, Option] | None = None) -> Grammar:
-        """Compile (or fetch from the cache) a grammar of `kind`; see OPTIONS for each kind's options."""
+    def compile(
+        self,
+        kind: str,
+        text: str,
+        options: Mapping[str, Option] | None = None,
+        *,
+        may_wait: Callable[[], None] | None = None,
+    ) -> Grammar:
+        """Compile (or fetch from the cache) a grammar of `kind`; see OPTIONS for each kind's
+        options. `may_wait` is called while waiting (every 0.1 s); what it raises ends the wait
+        (a run that was cancelled or ran out of time, say)."""
         key = GrammarKey(kind, text, _option_items(kind, options or {}))
         limit = MAX_GRAMMAR_CHARS.get(kind)
         if limit is not None and len(text) > limit:
@@ -144,15 +195,61 @@ class GrammarCompiler:
                 self.num_hits += 1
                 return cached
             self.num_misses += 1
-        # Compiled outside the lock: a slow schema must not hold up every other run. Two threads
-        # compiling the same key both succeed; the first one stored is kept.
-        grammar = self._build(key)
-        with self._lock:
-            grammar = self._cache.setdefault(key, grammar)
-            self._cache.move_to_end(key)
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        return grammar
+            future = self._in_flight.get(key)
+            owner = future is None
+            if future is None:
+                future = self._in_flight[key] = concurrent.futures.Future()
+        if owner:
+            self._start(key, future)
+        return self._wait(key, future, may_wait)
+
+    def _start(self, key: GrammarKey, future: concurrent.futures.Future[Grammar]) -> None:
+        """Compile `key` on a thread of its own once a worker is free (daemon threads: a compile
+        left running never holds up the process's exit)."""
+
+        def fail(exc: BaseException) -> None:  # handed to every waiter
+            with self._lock:
+                self._in_flight.pop(key, None)
+            future.set_exception(exc)
+
+        def work() -> None:
+            # No free worker within the budget: given up, so a flood of slow grammars cannot
+            # queue more compiling than the workers do in one budget.
+            budget = self.compile_budget_s
+            if not self._workers.acquire(timeout=budget if budget > 0 else None):
+                fail(CompileBudgetExceeded(key.kind, budget))
+                return
+            try:
+                grammar = self._build(key)
+            except BaseException as exc:
+                fail(exc)
+                return
+            finally:
+                self._workers.release()
+            with self._lock:
+                grammar = self._cache.setdefault(key, grammar)
+                self._cache.move_to_end(key)
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+                self._in_flight.pop(key, None)
+            future.set_result(grammar)
+
+        threading.Thread(target=work, name="grammar-compile", daemon=True).start()
+
+    def _wait(
+        self, key: GrammarKey, future: concurrent.futures.Future[Grammar], may_wait: Callable[[], None] | None
+    ) -> Grammar:
+        budget = self.compile_budget_s
+        deadline = time.monotonic() + budget if budget > 0 else float("inf")
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CompileBudgetExceeded(key.kind, budget)
+            try:
+                return future.result(timeout=min(left, _POLL_S))
+            except concurrent.futures.TimeoutError:
+                if may_wait is not None:
+                    may_wait()
 
     def cache_len(self) -> int:
         with self._lock:
@@ -162,6 +259,7 @@ class GrammarCompiler:
         options = dict(key.options)
         start = time.perf_counter()
         unsupported: tuple[str, ...] = ()
+        compiled: xgr.CompiledGrammar | llg_backend.CompiledLLG
         try:
             if key.kind == "json_schema":
                 compiled, unsupported = self._json_schema(key.text, options)
@@ -186,40 +284,90 @@ class GrammarCompiler:
             unsupported,
             time.perf_counter() - start,
             self._utf8_guard,
+            llg_backend.BACKEND if isinstance(compiled, llg_backend.CompiledLLG) else "xgrammar",
         )
 
     def _compile_json(self, schema: str, *, strict: bool, compact: bool) -> xgr.CompiledGrammar:
         return self._compiler.compile_grammar(json_schema_grammar(schema, strict=strict, compact=compact))
 
-    def _json_schema(self, text: str, options: dict[str, Option]) -> tuple[xgr.CompiledGrammar, tuple[str, ...]]:
-        schema = _parse_schema(text, InvalidJSONSchema)
+    def _json_schema(
+        self, text: str, options: dict[str, Option]
+    ) -> tuple[xgr.CompiledGrammar | llg_backend.CompiledLLG, tuple[str, ...]]:
+        backend = str(options["backend"])
+        if backend not in BACKENDS:
+            raise InvalidJSONSchema(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        strict, compact = bool(options["strict"]), bool(options["compact"])
+        schema, features = _prepared(_parse_schema(text, InvalidJSONSchema), strict)
+        if backend == "auto" and strict and _cheap(schema, features):
+            return self._compile_json(json.dumps(schema, ensure_ascii=False), strict=True, compact=compact), ()
+        refusal = ""
+        if backend in ("auto", "llguidance"):
+            try:
+                closed = schema_support.close_objects(schema) if strict else schema
+                return llg_backend.compile_json_schema(self.tokenizer, closed, compact=compact), ()
+            except llg_backend.Refused as exc:
+                if backend == "llguidance":
+                    raise UnsupportedSchema((), str(exc)) from None
+                refusal = str(exc)
         schema, relaxed = schema_support.relax_max_length(schema, int(options["max_length_limit"]))
-        unsupported = tuple(sorted(schema_support.unsupported_features(schema, bool(options["strict"])) + relaxed))
+        unsupported = tuple(sorted(features + relaxed))
         if unsupported and options["reject_unsupported"]:
-            raise UnsupportedSchema(unsupported)
+            raise UnsupportedSchema(unsupported, refusal)
         normalized = json.dumps(schema, ensure_ascii=False)
-        compiled = self._compile_json(normalized, strict=bool(options["strict"]), compact=bool(options["compact"]))
-        return compiled, unsupported
+        return self._compile_json(normalized, strict=strict, compact=compact), unsupported
 
-    def _tool_call(self, text: str, options: dict[str, Option]) -> tuple[xgr.CompiledGrammar, tuple[str, ...]]:
+    def _tool_call(
+        self, text: str, options: dict[str, Option]
+    ) -> tuple[xgr.CompiledGrammar | llg_backend.CompiledLLG, tuple[str, ...]]:
         chosen = tool_call.select(tool_call.parse_tools(text), str(options["choice"]))
-        strict = bool(options["strict"])
-        arguments: list[xgr.Grammar] = []
-        unsupported: list[str] = []
+        strict, backend, choice = bool(options["strict"]), str(options["backend"]), str(options["choice"])
+        if backend not in BACKENDS:
+            raise InvalidToolCall(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        prepared: list[tuple[tool_call.Tool, Any, tuple[str, ...]]] = []
         for tool in chosen:
             check_schema_size(tool.parameters, InvalidToolCall)
-            schema = schema_support.normalize(tool.parameters)
+            schema, features = _prepared(schema_support.normalize(tool.parameters), strict)
+            prepared.append((tool, schema, features))
+        # Free text with calls in it ("auto") is xgrammar's structural tag; llguidance serves
+        # forced and required calls, where xgrammar would leave a keyword unenforced or be slow.
+        refusal = ""
+        if backend == "llguidance" and choice == "auto":
+            raise InvalidToolCall("llguidance serves forced and required calls; choice 'auto' needs xgrammar")
+        all_cheap = all(_cheap(schema, features) for _, schema, features in prepared)
+        if backend == "llguidance" or (backend == "auto" and choice != "auto" and not all_cheap):
+            calls = [(t.name, schema_support.close_objects(schema) if strict else schema) for t, schema, _ in prepared]
+            try:
+                return llg_backend.compile_tool_calls(self.tokenizer, calls), ()
+            except llg_backend.Refused as exc:
+                if backend == "llguidance":
+                    raise UnsupportedSchema((), str(exc)) from None
+                refusal = str(exc)
+        arguments: list[xgr.Grammar] = []
+        unsupported: list[str] = []
+        for tool, schema, features in prepared:
             schema, relaxed = schema_support.relax_max_length(schema, int(options["max_length_limit"]))
-            features = schema_support.unsupported_features(schema, strict) + relaxed
-            unsupported += [f"{f} in tool {tool.name!r}" for f in features]
+            unsupported += [f"{f} in tool {tool.name!r}" for f in features + relaxed]
             arguments.append(json_schema_grammar(json.dumps(schema, ensure_ascii=False), strict=strict, compact=True))
         if unsupported and options["reject_unsupported"]:
-            raise UnsupportedSchema(tuple(unsupported))
-        if options["choice"] == "auto":
+            raise UnsupportedSchema(tuple(unsupported), refusal)
+        if choice == "auto":
             tag = tool_call.auto_structural_tag(chosen, arguments, str(options["call_begin"]), str(options["call_end"]))
             return self._compiler.compile_structural_tag(tag), tuple(unsupported)
-        calls = [tool_call.call_grammar(tool, args) for tool, args in zip(chosen, arguments, strict=True)]
-        return self._compiler.compile_grammar(tool_call.required_grammar(calls)), tuple(unsupported)
+        calls_ = [tool_call.call_grammar(tool, args) for tool, args in zip(chosen, arguments, strict=True)]
+        return self._compiler.compile_grammar(tool_call.required_grammar(calls_)), tuple(unsupported)
+
+
+def _prepared(schema: Any, strict: bool) -> tuple[Any, tuple[str, ...]]:
+    """A normalized schema as both engines get it (formats no validator checks dropped, oneOf
+    proved exclusive as anyOf), and what xgrammar would not enforce, in the schema's own words."""
+    schema, _annotations = schema_support.drop_annotation_formats(schema, schema_support.checked_formats(schema))
+    features = schema_support.unsupported_features(schema, strict)
+    return schema_support.exclusive_one_of_as_any_of(schema), features
+
+
+def _cheap(schema: Any, features: tuple[str, ...]) -> bool:
+    """xgrammar enforces all of `schema` and compiles it quickly (no long maxLength)."""
+    return not features and not schema_support.relax_max_length(schema, XGRAMMAR_CHEAP_MAX_LENGTH)[1]
 
 
 def _option_items(kind: str, options: Mapping[str, Option]) -> OptionItems:

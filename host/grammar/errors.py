@@ -6,7 +6,8 @@
     │   ├── UnsupportedSchema    a schema using keywords the engine would not enforce (on request)
     │   ├── InvalidRegex         a regex that does not parse or uses an unsupported construct
     │   ├── InvalidEBNF          an EBNF grammar that does not parse
-    │   └── InvalidToolCall      a tool list or tool choice that cannot describe a call
+    │   ├── InvalidToolCall      a tool list or tool choice that cannot describe a call
+    │   └── CompileBudgetExceeded  compiling took longer than the compiler's budget
     ├── TokenizerUnsupported     the driver's tokenizer cannot be turned into a token table
     └── MatcherError             a matcher call with bad arguments (token id, rollback depth, mask)
 
@@ -37,12 +38,17 @@ class InvalidJSONSchema(InvalidGrammar):
 
 
 class UnsupportedSchema(InvalidJSONSchema):
-    """Raised only with `reject_unsupported=True`; `features` are "keyword at /json/pointer"."""
+    """No engine enforces the whole schema (raised with `reject_unsupported=True`, or when the
+    one engine asked for refuses). `features` are xgrammar's gaps, "keyword at /json/pointer";
+    `refusal` is llguidance's own reason when it was tried."""
 
-    def __init__(self, features: tuple[str, ...]) -> None:
+    def __init__(self, features: tuple[str, ...], refusal: str = "") -> None:
         shown = ", ".join(features[:8]) + (f" (and {len(features) - 8} more)" if len(features) > 8 else "")
-        super().__init__(f"the schema uses keywords the grammar engine does not enforce: {shown}")
+        if refusal:
+            shown = f"{shown} (llguidance: {refusal})" if shown else f"llguidance: {refusal}"
+        super().__init__(f"the schema uses keywords the grammar engines do not enforce: {shown}")
         self.features = features
+        self.refusal = refusal
 
 
 class InvalidRegex(InvalidGrammar):
@@ -58,6 +64,18 @@ class InvalidEBNF(InvalidGrammar):
 class InvalidToolCall(InvalidGrammar):
     def __init__(self, reason: str) -> None:
         super().__init__("tool_call", reason)
+
+
+class CompileBudgetExceeded(InvalidGrammar):
+    """The compile took longer than the budget (it goes on in the background and is cached)."""
+
+    def __init__(self, kind: str, budget_s: float) -> None:
+        super().__init__(
+            kind,
+            f"compiling it took longer than this host's budget of {budget_s:g} s (grammar_compile_budget_s); "
+            "simplify the grammar, or retry later (the compile goes on, and its result is kept)",
+        )
+        self.budget_s = budget_s
 
 
 class TokenizerUnsupported(GrammarError):

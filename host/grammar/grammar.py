@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import xgrammar as xgr
 
+from host.grammar.llg_backend import CompiledLLG, LLGState
 from host.grammar.matcher import Matcher
 from host.grammar.utf8_guard import Utf8Guard
 
@@ -28,10 +29,11 @@ class GrammarKey:
 @dataclass(frozen=True, slots=True, eq=False)
 class Grammar:
     """`unsupported` lists schema keywords compiled without being enforced ("not at /x");
-    an output may break those. Empty for every kind but json_schema and tool_call."""
+    an output may break those. Empty for every kind but json_schema and tool_call.
+    `backend` is the engine that compiled it: "xgrammar" or "llguidance"."""
 
     key: GrammarKey
-    compiled: xgr.CompiledGrammar
+    compiled: xgr.CompiledGrammar | CompiledLLG
     vocab_size: int
     stop_token_ids: tuple[int, ...]
     unsupported: tuple[str, ...] = ()
@@ -50,5 +52,14 @@ class Grammar:
     def options(self) -> dict[str, bool | str | int]:
         return dict(self.key.options)
 
+    backend: str = "xgrammar"
+
     def matcher(self) -> Matcher:
         return Matcher(self)
+
+    def new_state(self) -> xgr.GrammarMatcher | LLGState:
+        """A fresh parse state of the engine that compiled this grammar (for Matcher)."""
+        if isinstance(self.compiled, CompiledLLG):
+            return self.compiled.new_state()
+        # Without stop tokens a completed grammar would allow nothing at all; end it there instead.
+        return xgr.GrammarMatcher(self.compiled, terminate_without_stop_token=not self.stop_token_ids)

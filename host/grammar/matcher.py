@@ -1,4 +1,5 @@
-"""A grammar matcher: the parse state of one generation, and the next-token bitmask it allows.
+"""A grammar matcher: the parse state of one generation, and the next-token bitmask it allows,
+over either engine's state (xgrammar's GrammarMatcher or host.grammar.llg_backend.LLGState).
 
 Owned by one run's thread (not locked). Knows the bridge's logit-mask layout: uint32 words,
 ceil(vocab/32) of them, bit j of word i allows token 32*i + j (little-endian bit order).
@@ -16,6 +17,7 @@ from host.grammar.errors import MatcherError
 
 if TYPE_CHECKING:
     from host.grammar.grammar import Grammar
+    from host.grammar.llg_backend import LLGState
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -30,14 +32,11 @@ def allocate_bitmask(vocab_size: int) -> npt.NDArray[np.uint32]:
 class Matcher:
     """Accepts tokens one at a time; rolls back; says which tokens may come next."""
 
-    def __init__(self, grammar: Grammar, _state: xgr.GrammarMatcher | None = None) -> None:
+    def __init__(self, grammar: Grammar, _state: xgr.GrammarMatcher | LLGState | None = None) -> None:
         self.grammar = grammar
         self.vocab_size = grammar.vocab_size
         self.num_words = bitmask_words(grammar.vocab_size)
-        # Without stop tokens a completed grammar would allow nothing at all; end it there instead.
-        if _state is None:
-            _state = xgr.GrammarMatcher(grammar.compiled, terminate_without_stop_token=not grammar.stop_token_ids)
-        self._state = _state
+        self._state = grammar.new_state() if _state is None else _state
         self._num_accepted = 0
         # Per accepted token: did it end with a dangling ED lead byte (host.grammar.utf8_guard)?
         self._ends_with_lead: list[bool] = []

@@ -12,9 +12,9 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import xgrammar as xgr
 
@@ -57,7 +57,7 @@ class TokenizerSpec:
         )
 
     @property
-    def cache_key(self) -> tuple[str, int, tuple[int, ...], tuple[int, ...], str]:
+    def cache_key(self) -> CacheKey:
         digest = hashlib.sha256(self.data.encode("utf-8")).hexdigest()
         return (self.kind, self.vocab_size, self.stop_token_ids, self.control_token_ids, digest)
 
@@ -167,26 +167,45 @@ def _huggingface_table(data: str, vocab_size: int) -> list[bytes]:
 
 # ------------------------------------------------------------------ cached TokenizerInfo
 
-_cache: OrderedDict[tuple[str, int, tuple[int, ...], tuple[int, ...], str], xgr.TokenizerInfo] = OrderedDict()
-_cache_lock = threading.Lock()
+T = TypeVar("T")
+CacheKey = tuple[str, int, tuple[int, ...], tuple[int, ...], str]
+
+
+class PerTokenizer(Generic[T]):
+    """What an engine builds once per tokenizer (a token table: 49k entries for SmolLM2, about
+    0.1 s), kept for the last few tokenizers (a host serves few models). Thread-safe; two
+    threads building the same one both succeed and the first stored is kept."""
+
+    def __init__(self, build: Callable[[TokenizerSpec], T], size: int = _TABLE_CACHE_SIZE) -> None:
+        self._build = build
+        self._size = size
+        self._cache: OrderedDict[CacheKey, T] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, spec: TokenizerSpec) -> T:
+        key = spec.cache_key
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        built = self._build(spec)
+        with self._lock:
+            built = self._cache.setdefault(key, built)
+            self._cache.move_to_end(key)
+            while len(self._cache) > self._size:
+                self._cache.popitem(last=False)
+        return built
 
 
 def tokenizer_info(spec: TokenizerSpec) -> xgr.TokenizerInfo:
-    """The xgrammar token table for `spec`, built once per tokenizer (an LRU of a few entries)."""
-    key = spec.cache_key
-    with _cache_lock:
-        info = _cache.get(key)
-        if info is not None:
-            _cache.move_to_end(key)
-            return info
-    info = _build(token_table(spec), spec.vocab_size, spec.stop_token_ids)
-    with _cache_lock:
-        info = _cache.setdefault(key, info)
-        _cache.move_to_end(key)
-        while len(_cache) > _TABLE_CACHE_SIZE:
-            _cache.popitem(last=False)
-    return info
+    """The xgrammar token table for `spec`, built once per tokenizer."""
+    return _infos.get(spec)
 
 
 def _build(table: Sequence[bytes], vocab_size: int, stop_token_ids: Sequence[int]) -> xgr.TokenizerInfo:
     return xgr.TokenizerInfo(list(table), xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+
+
+_infos: PerTokenizer[xgr.TokenizerInfo] = PerTokenizer(
+    lambda spec: _build(token_table(spec), spec.vocab_size, spec.stop_token_ids)
+)

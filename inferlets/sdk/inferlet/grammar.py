@@ -30,10 +30,12 @@ class Grammar:
         return Grammar("json-object", compact=compact)
 
     @staticmethod
-    def json_schema(schema: str | dict[str, Any], strict: bool = True, compact: bool = True) -> Grammar:
-        """JSON valid against `schema` (properties in the schema's order)."""
+    def json_schema(schema: str | dict[str, Any], strict: bool = True, compact: bool = True, **options: Any) -> Grammar:
+        """JSON valid against `schema` (properties in the schema's order). Other options as the
+        host's compiler takes them: `reject_unsupported`, `max_length_limit`, `backend`
+        ("auto", "xgrammar" or "llguidance"); see docs/grammar.md."""
         text = schema if isinstance(schema, str) else json.dumps(schema)
-        return Grammar("json-schema", text, strict=strict, compact=compact)
+        return Grammar("json-schema", text, strict=strict, compact=compact, **options)
 
     @staticmethod
     def regex(pattern: str) -> Grammar:

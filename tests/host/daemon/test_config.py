@@ -58,6 +58,10 @@ def test_torch_model_becomes_a_driver_option() -> None:
         ({"api_keys": [" padded "]}, {}, "api_keys"),
         ({"api_keys": [1]}, {}, "api_keys"),
         ({"port": True}, {}, "port"),
+        ({"json_object_requires_json_word": "yes"}, {}, "json_object_requires_json_word"),
+        ({"json_object_requires_json_word": 1}, {}, "json_object_requires_json_word"),
+        ({}, {"WAFER_JSON_OBJECT_REQUIRES_JSON_WORD": "maybe"}, "json_object_requires_json_word"),
+        ({"grammar_compile_budget_s": -1}, {}, "grammar_compile_budget_s"),
         ({"no_such_key": 1}, {}, "no_such_key"),
     ],
 )
@@ -83,6 +87,17 @@ def test_bad_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_config({}, environ={}, config_path=path)
     assert info.value.key == "port"
+
+
+def test_booleans_from_file_flags_and_environment(tmp_path: Path) -> None:
+    assert load_config({}, environ={}).json_object_requires_json_word is False
+    assert load_config({"json_object_requires_json_word": True}, environ={}).json_object_requires_json_word
+    env = {"WAFER_JSON_OBJECT_REQUIRES_JSON_WORD": "on"}
+    assert load_config({}, environ=env).json_object_requires_json_word
+    path = tmp_path / "wafer.toml"
+    path.write_text("json_object_requires_json_word = true\ngrammar_compile_budget_s = 2.5\n")
+    config = load_config({}, environ={}, config_path=path)
+    assert config.json_object_requires_json_word and config.grammar_compile_budget_s == 2.5
 
 
 def test_data_dir_follows_cache_dir(tmp_path: Path) -> None:

@@ -61,7 +61,7 @@ BAD_CHAT: list[tuple[dict[str, Any], str | None]] = [
         {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": BAD_SCHEMA}}},
         "response_format.json_schema.schema",
     ),
-    ({"response_format": {"type": "json_object"}}, "messages"),  # the messages must mention JSON
+    ({"tools": []}, "tools"),  # an empty tool list is a mistake, not "no tools"
     (  # a schema jsonschema accepts but whose pattern the grammar engine cannot compile
         {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": BAD_PATTERN}}},
         "response_format",
@@ -83,7 +83,7 @@ BAD_COMPLETION: list[tuple[dict[str, Any], str | None]] = [
     ({"prompt": [-1]}, None),
     ({"prompt": LONG}, "prompt"),
     ({"logprobs": 6}, "logprobs"),
-    ({"echo": True}, "echo"),
+    ({"echo": True, "logprobs": 1}, "echo"),  # prompt logprobs are not served yet
     ({"suffix": "x"}, "suffix"),
     ({"best_of": 3}, "best_of"),
     ({"max_tokens": MAX_CONTEXT}, "prompt"),

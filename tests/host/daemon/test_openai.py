@@ -207,6 +207,23 @@ def test_completions(server: Server) -> None:
     )
 
 
+def test_completions_echo_the_prompt(server: Server) -> None:
+    client = server.client()
+    plain = client.completions.create(model="dummy", prompt=["ab", "cd"], max_tokens=4, seed=7)
+    echoed = client.completions.create(model="dummy", prompt=["ab", "cd"], max_tokens=4, seed=7, echo=True)
+    assert [c.text for c in echoed.choices] == ["ab" + plain.choices[0].text, "cd" + plain.choices[1].text]
+    by_ids = client.completions.create(model="dummy", prompt=[79, 110], max_tokens=2, seed=7, echo=True)
+    assert by_ids.choices[0].text.startswith("On")  # token ids echo as their text
+    assert echoed.usage is not None and echoed.usage.completion_tokens == plain.usage.completion_tokens  # type: ignore[union-attr]
+    texts = {0: "", 1: ""}
+    for chunk in client.completions.create(
+        model="dummy", prompt=["ab", "cd"], max_tokens=4, seed=7, echo=True, stream=True
+    ):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == {0: echoed.choices[0].text, 1: echoed.choices[1].text}
+
+
 def test_completions_logprobs_and_stream(server: Server) -> None:
     client = server.client()
     response = client.completions.create(model="dummy", prompt="abc", max_tokens=5, logprobs=2, temperature=0)

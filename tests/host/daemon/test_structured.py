@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import pytest
 
+from host.daemon.errors import InvalidRequest
+from host.daemon.openai_models import ChatCompletionRequest
+from host.daemon.openai_prepare import prepare_chat
 from tests.host.daemon.conftest import Server
 
 SCHEMA = {
@@ -66,6 +70,28 @@ def test_json_object_content_is_an_object(server: Server) -> None:
         assert content.startswith("{"), content
         if choice.finish_reason == "stop":
             assert isinstance(json.loads(content), dict)
+
+
+def test_json_object_needs_no_word_json_unless_configured(server: Server) -> None:
+    """vLLM, SGLang and llama.cpp accept json_object whatever the messages say, and clients
+    written for them rely on it; `json_object_requires_json_word` restores OpenAI's rule."""
+    messages = [{"role": "user", "content": "The weather, please."}]
+    resp = server.client().chat.completions.create(
+        model="dummy",
+        messages=messages,  # type: ignore[arg-type]
+        response_format={"type": "json_object"},
+        max_tokens=32,
+        seed=0,
+    )
+    assert (resp.choices[0].message.content or "").startswith("{")
+    req = ChatCompletionRequest.model_validate(
+        {"model": "dummy", "messages": messages, "response_format": {"type": "json_object"}}
+    )
+    assert server.daemon is not None
+    engine, _ = server.daemon.supervisor.engine(timeout_s=30)
+    with pytest.raises(InvalidRequest, match="must contain the word 'json'") as info:
+        prepare_chat(req, engine.model, engine.tokenizer, engine.grammars, json_object_requires_json_word=True)
+    assert info.value.param == "messages"
 
 
 def test_40_concurrent_requests_mixing_constrained_and_plain(server: Server) -> None:

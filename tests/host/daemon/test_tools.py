@@ -110,3 +110,34 @@ def test_the_renderer_knows_the_grammar_markers() -> None:
     from host.grammar.tool_call import DEFAULT_CALL_BEGIN, DEFAULT_CALL_END
 
     assert (CALL_BEGIN, CALL_END) == (DEFAULT_CALL_BEGIN, DEFAULT_CALL_END)
+
+
+def test_a_forced_call_cut_by_max_tokens_is_still_a_call(server: Server) -> None:
+    """The arguments as far as they were generated, with finish_reason "length" (as vLLM and
+    OpenAI return them), not the raw call JSON in content."""
+    client = server.client()
+    prefix = '{"name":"forecast","arguments":'
+    for stream in (False, True):
+        kwargs: dict[str, Any] = dict(
+            model="dummy",
+            messages=MESSAGES,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "forecast"}},
+            max_tokens=len(prefix) + 6,  # the dummy's tokens are bytes: cut inside the arguments
+            seed=3,
+        )
+        if stream:
+            calls: list[Any] = []
+            finish = None
+            for chunk in client.chat.completions.create(stream=True, **kwargs):
+                for choice in chunk.choices:
+                    calls += choice.delta.tool_calls or []
+                    finish = choice.finish_reason or finish
+            name, arguments = calls[0].function.name, calls[0].function.arguments or ""
+        else:
+            resp = client.chat.completions.create(**kwargs)
+            finish, message = resp.choices[0].finish_reason, resp.choices[0].message
+            assert message.content is None and message.tool_calls and len(message.tool_calls) == 1
+            name, arguments = message.tool_calls[0].function.name, message.tool_calls[0].function.arguments
+        assert finish == "length" and name == "forecast"
+        assert arguments.startswith("{") and 0 < len(arguments) <= 6, arguments  # JSON cut short

@@ -11,20 +11,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from host.grammar.schema_support import resolve_local_ref
 
-def _resolve(root: Any, node: Any, depth: int = 0) -> Any:
-    while isinstance(node, dict) and isinstance(node.get("$ref"), str) and node["$ref"].startswith("#") and depth < 50:
-        target: Any = root
-        for part in node["$ref"][1:].split("/")[1:]:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(target, dict) and part in target:
-                target = target[part]
-            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
-                target = target[int(part)]
-            else:
-                return {}
-        node, depth = target, depth + 1
-    return node if isinstance(node, dict) else {}
+
+def _resolve(root: Any, node: Any) -> Any:
+    node = resolve_local_ref(root, node, max_depth=50)
+    unresolved = isinstance(node, dict) and isinstance(node.get("$ref"), str) and node["$ref"].startswith("#")
+    return node if isinstance(node, dict) and not unresolved else {}
 
 
 def _properties(root: Any, node: dict[str, Any], instance: dict[str, Any]) -> dict[str, Any]:

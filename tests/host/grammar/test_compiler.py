@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import threading
+import time
+from typing import Any
 
 import pytest
 
 from host.errors import HostError
 from host.grammar import (
+    CompileBudgetExceeded,
     GrammarCompiler,
     GrammarError,
     InvalidEBNF,
@@ -144,6 +148,7 @@ def test_unsupported_keywords_are_listed_or_refused(byte_compiler: GrammarCompil
     with pytest.raises(UnsupportedSchema, match="not at /properties/a") as info:
         byte_compiler.json_schema(schema, reject_unsupported=True)
     assert info.value.features == ("not at /properties/a",)
+    assert info.value.refusal == 'Unimplemented keys: ["not"]'  # llguidance was tried too
     assert byte_compiler.json_schema({"type": "integer"}, reject_unsupported=True).unsupported == ()
 
 
@@ -171,14 +176,19 @@ def test_long_max_lengths_are_listed_not_enforced(byte_compiler: GrammarCompiler
     """Each maxLength bound costs seconds to compile past a few dozen; above the limit it is
     dropped and reported, unless the caller raises `max_length_limit`."""
     schema = {"type": "object", "properties": {"x": {"type": "string", "maxLength": 40}}}
-    grammar = byte_compiler.json_schema(schema)
+    grammar = byte_compiler.json_schema(schema, backend="xgrammar")
     assert grammar.unsupported == ("maxLength above 32 at /properties/x",)
-    assert _accepts(byte_compiler, json.dumps(schema), '{"x":"' + "a" * 50 + '"}')
-    enforced = byte_compiler.json_schema(schema, max_length_limit=40)
+    too_long = '{"x":"' + "a" * 50 + '"}'
+    assert _accepts(byte_compiler, json.dumps(schema), too_long, backend="xgrammar")
+    enforced = byte_compiler.json_schema(schema, max_length_limit=40, backend="xgrammar")
     assert enforced.unsupported == ()
-    assert not _accepts(byte_compiler, json.dumps(schema), '{"x":"' + "a" * 50 + '"}', max_length_limit=40)
+    assert not _accepts(byte_compiler, json.dumps(schema), too_long, max_length_limit=40, backend="xgrammar")
     with pytest.raises(UnsupportedSchema, match="maxLength above 32"):
-        byte_compiler.json_schema(schema, reject_unsupported=True)
+        byte_compiler.json_schema(schema, reject_unsupported=True, backend="xgrammar")
+    # auto: llguidance enforces the bound cheaply, so nothing is dropped.
+    auto = byte_compiler.json_schema(schema, reject_unsupported=True)
+    assert (auto.backend, auto.unsupported) == ("llguidance", ())
+    assert not _accepts(byte_compiler, json.dumps(schema), too_long, reject_unsupported=True)
 
 
 def _nested_arrays(depth: int) -> dict[str, object]:
@@ -202,3 +212,77 @@ def test_grammars_too_big_to_compile_quickly_are_refused_before_compiling(byte_c
     with pytest.raises(InvalidToolCall, match="nests deeper"):
         byte_compiler.tool_call([{"name": "f", "parameters": _nested_arrays(800)}])
     assert byte_compiler.json_schema(json.dumps(_nested_arrays(60))) is not None
+
+
+# A compile that takes seconds: xgrammar unrolls each maxLength bound over SmolLM2's 49k tokens
+# (2.3-2.4 s measured here from 300 up; the byte tokenizer's 256 take 16 ms), far past the
+# budgets these tests set.
+_SLOW = {"type": "string", "maxLength": 4000}
+
+
+def _slow(compiler: GrammarCompiler, bound: int = 4000) -> Any:
+    return compiler.json_schema({**_SLOW, "maxLength": bound}, max_length_limit=10**6, backend="xgrammar")
+
+
+def test_a_compile_past_the_budget_is_refused_naming_it_and_kept_for_a_retry(smol_spec: TokenizerSpec) -> None:
+    compiler = GrammarCompiler(smol_spec, max_threads=1, compile_budget_s=0.05)
+    with pytest.raises(CompileBudgetExceeded, match=r"budget of 0.05 s \(grammar_compile_budget_s\)"):
+        _slow(compiler)
+    deadline = time.monotonic() + 120
+    while compiler.cache_len() == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)  # it goes on compiling in the background
+    assert compiler.cache_len() == 1
+    assert _slow(compiler).unsupported == ()  # the retry finds it at once
+
+
+def test_waiting_ends_when_the_caller_must_stop(smol_spec: TokenizerSpec) -> None:
+    compiler = GrammarCompiler(smol_spec, max_threads=1, compile_budget_s=0)  # no budget at all
+
+    class Cancelled(Exception):
+        pass
+
+    calls = []
+
+    def may_wait() -> None:
+        calls.append(1)
+        if len(calls) >= 2:
+            raise Cancelled
+
+    with pytest.raises(Cancelled):
+        compiler.compile(
+            "json_schema", json.dumps(_SLOW), {"max_length_limit": 10**6, "backend": "xgrammar"}, may_wait=may_wait
+        )
+
+
+def test_no_free_worker_within_the_budget_gives_the_compile_up(smol_spec: TokenizerSpec) -> None:
+    compiler = GrammarCompiler(smol_spec, max_threads=1, compile_budget_s=0.3, compile_workers=1)
+    with pytest.raises(CompileBudgetExceeded):
+        _slow(compiler, 4000)  # holds the only worker for seconds
+    with pytest.raises(CompileBudgetExceeded):
+        _slow(compiler, 4001)  # never got a worker: dropped, not queued
+    deadline = time.monotonic() + 120
+    while compiler.cache_len() == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    assert compiler.cache_len() == 1  # only the first was compiled
+
+
+def test_callers_of_one_grammar_share_one_compile(byte_spec: TokenizerSpec) -> None:
+    compiler = GrammarCompiler(byte_spec, max_threads=1, compile_budget_s=0)
+    builds = []
+    build = compiler._build
+
+    def slow_build(key: Any) -> Any:
+        builds.append(key)
+        started.wait(5)  # every caller has asked before this compile ends
+        return build(key)
+
+    started = threading.Event()
+    compiler._build = slow_build  # type: ignore[method-assign]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(compiler.json_schema, {"type": "integer"}) for _ in range(4)]
+        while compiler.num_misses < 4:
+            time.sleep(0.01)
+        started.set()
+        grammars = [f.result() for f in futures]
+    assert len(builds) == 1 and all(g is grammars[0] for g in grammars)

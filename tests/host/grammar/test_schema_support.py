@@ -25,7 +25,27 @@ NOT_ENFORCED: list[tuple[str, dict[str, Any], Any]] = [
     ("oneOf (matched as anyOf)", {"oneOf": [{"type": "integer"}, {"minimum": 0}]}, 1),
     ("multipleOf (only on integers without bounds)", {"type": "number", "multipleOf": 0.5}, 0.3),
     ("multipleOf (only on integers without bounds)", {"type": "integer", "minimum": 0, "multipleOf": 12}, 25),
-    ("format 'color'", {"type": "string", "format": "color"}, "not a color"),
+    ("format 'iri'", {"type": "string", "format": "iri"}, "not an iri"),
+    # A node without `type` loses its type-specific keywords: xgrammar allows any JSON there.
+    ("minLength without type", {"minLength": 3}, "ab"),
+    ("pattern without type", {"pattern": "^a"}, "b"),
+    ("format without type", {"format": "date"}, "not a date"),
+    ("maximum without type", {"maximum": 5}, 7),
+    ("maxItems without type", {"maxItems": 1}, [1, 2]),
+    ("minProperties without type", {"minProperties": 1}, {}),
+    ("maxProperties without type", {"maxProperties": 1}, {"a": 1, "b": 2}),
+    # Keywords beside anyOf, enum and the like are dropped: the node is compiled from it alone.
+    (
+        "anyOf with other keywords beside it (properties type)",
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "anyOf": [{"required": ["a"]}]},
+        {"a": "x"},
+    ),
+    ("enum with other keywords beside it (type)", {"type": "integer", "enum": ["a", 1]}, "a"),
+    (
+        "anyOf with other keywords beside it (minLength type)",
+        {"type": "string", "minLength": 3, "anyOf": [{"type": "string"}]},
+        "ab",
+    ),
     ("required (a name not in properties)", {"type": "object", "required": ["a"]}, {}),
     (
         "patternProperties (ignored beside properties unless strict)",
@@ -54,11 +74,23 @@ ENFORCED: list[tuple[str, dict[str, Any], Any]] = [
         {"my_id": "x"},
     ),
     ("format email", {"type": "string", "format": "email"}, "b"),
+    ("format json-pointer", {"type": "string", "format": "json-pointer"}, "no leading slash"),
     ("format date-time", {"type": "string", "format": "date-time"}, "b"),
     ("minProperties", {"type": "object", "minProperties": 2}, {"a": 1}),
     ("maxProperties", {"type": "object", "maxProperties": 1}, {"a": 1, "b": 2}),
     ("minItems", {"type": "array", "minItems": 2}, [1]),
     ("enum", {"enum": [1, 2]}, 3),
+    ("enum beside a type all its values have", {"type": "string", "enum": ["a", "b"]}, "c"),
+    (
+        "$ref beside keywords a draft-07 validator ignores",
+        {
+            "$schema": "http://json-schema.org/draft-07/schema#",
+            "$ref": "#/$defs/s",
+            "$defs": {"s": {"type": "string"}},
+            "minLength": 3,
+        },
+        1,
+    ),
     ("const", {"const": "x"}, "y"),
     ("prefixItems", {"type": "array", "prefixItems": [{"type": "integer"}], "items": False}, [1, 2]),
     ("additionalProperties", {"type": "object", "properties": {"a": {}}, "additionalProperties": False}, {"b": 1}),
@@ -67,7 +99,7 @@ ENFORCED: list[tuple[str, dict[str, Any], Any]] = [
 
 
 def _accepts(compiler: GrammarCompiler, schema: dict[str, Any], instance: Any) -> bool:
-    matcher = compiler.json_schema(schema, strict=False).matcher()
+    matcher = compiler.json_schema(schema, strict=False, backend="xgrammar").matcher()
     data = list(json.dumps(instance, separators=(",", ":")).encode())
     return matcher.accept_tokens(data) == len(data) and matcher.accept(BYTE_STOPS[0])
 
@@ -95,6 +127,7 @@ def test_features_carry_json_pointers() -> None:
         "anyOf": [{"if": {}}],
     }
     assert unsupported_features(normalize(schema), strict=True) == (
+        "anyOf with other keywords beside it (properties) at /",
         "if at /anyOf/0",
         "not at /$defs/a~1b",
         "uniqueItems at /properties/x/prefixItems/0",

@@ -79,15 +79,17 @@ def test_llguidance_ignores_a_clients_x_guidance_options(byte_compiler: GrammarC
         ({"type": "object", "properties": {"a": {"type": "integer"}}, "anyOf": [{"required": ["a"]}]}, "{}", '{"a":1}'),
     ],
 )
+@pytest.mark.parametrize("strict", [True, False])
 def test_auto_enforces_what_xgrammar_drops(
-    byte_compiler: GrammarCompiler, schema: dict[str, Any], invalid: str, valid: str
+    byte_compiler: GrammarCompiler, schema: dict[str, Any], invalid: str, valid: str, strict: bool
 ) -> None:
     """Keywords of a node without `type`, or beside anyOf, which xgrammar 0.2.8 compiles as
-    "any JSON" (test_schema_support measures that): auto takes llguidance, which holds them."""
-    grammar = byte_compiler.json_schema(schema, strict=False, reject_unsupported=True)
+    "any JSON" (test_schema_support measures that): auto takes llguidance, which holds them,
+    also in strict mode, where xgrammar would otherwise be first."""
+    grammar = byte_compiler.json_schema(schema, strict=strict, reject_unsupported=True)
     assert (grammar.backend, grammar.unsupported) == ("llguidance", ())
-    assert not _accepts(byte_compiler, schema, invalid, strict=False, reject_unsupported=True)
-    assert _accepts(byte_compiler, schema, valid, strict=False, reject_unsupported=True)
+    assert not _accepts(byte_compiler, schema, invalid, strict=strict, reject_unsupported=True)
+    assert _accepts(byte_compiler, schema, valid, strict=strict, reject_unsupported=True)
 
 
 def test_auto_prefers_xgrammar_where_it_enforces_everything(byte_compiler: GrammarCompiler) -> None:

@@ -120,18 +120,32 @@ def test_trim_runs() -> None:
     assert trim_runs([2, 3], 2) == [2]
 
 
-def test_a_context_in_flight_is_not_scheduled_but_others_are() -> None:
+def test_a_pass_waits_while_one_is_in_flight_and_then_takes_what_it_gave_back() -> None:
+    """Sent at once, steps of other contexts would split into two half batches that alternate
+    for good; held, they join the steps the pass in flight gives back."""
     sched = Scheduler(limits(max_tokens=8), PAGE)
     sched.submit(item(1, 20))
     first = sched.next_batch()
     assert first is not None and sched.next_batch() is None  # chunk 2 waits for chunk 1
     sched.submit(item(2, 1))
-    second = sched.next_batch()  # built while `first` is in flight
-    assert second is not None and [c.item.context_id for c in second.chunks] == [2]
-    sched.complete(second, results_for(second))
+    assert sched.next_batch() is None  # held while `first` is in flight
     sched.complete(first, results_for(first))
-    third = sched.next_batch()
-    assert third is not None and third.chunks[0].start == 8
+    second = sched.next_batch()
+    assert second is not None
+    assert sorted((c.item.context_id, c.start) for c in second.chunks) == [(1, 8), (2, 0)]
+
+
+def test_a_deferred_step_goes_while_a_pass_is_in_flight_and_takes_the_waiting_along() -> None:
+    sched = Scheduler(limits(max_tokens=8), PAGE)
+    sched.submit(item(1, 1))
+    first = sched.next_batch()
+    assert first is not None
+    sched.submit(item(2, 1))
+    follower = item(1, 1, kv_start=1)
+    follower.deferred = True
+    sched.submit(follower)
+    second = sched.next_batch()  # the pre-fired step goes now, and context 2 rides along
+    assert second is not None and sorted(c.item.context_id for c in second.chunks) == [1, 2]
 
 
 def test_decodes_are_not_starved_by_fills() -> None:

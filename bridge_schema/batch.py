@@ -47,6 +47,7 @@ class OutputSpec:
     probe: Probe = Probe.NONE
     probe_k: int = 0
     logit_mask: npt.NDArray[np.uint32] | None = None  # ceil(V/32) words, bit j of word i = 32i+j
+    score_token: int = -1  # with LOGPROBS: report this token's logprob, not the sampled one's
 
 
 @dataclass(slots=True)
@@ -72,7 +73,9 @@ class RequestSpec:
 _NO_IDS: npt.NDArray[np.uint32] = np.zeros(0, np.uint32)
 _NO_LOGPROBS: npt.NDArray[np.float32] = np.zeros(0, np.float32)
 _NO_STEPS: npt.NDArray[np.uint32] = np.zeros(0, np.uint32)
+_NO_SCORES: npt.NDArray[np.int32] = np.zeros(0, np.int32)
 _NO_IDS.flags.writeable = _NO_LOGPROBS.flags.writeable = _NO_STEPS.flags.writeable = False
+_NO_SCORES.flags.writeable = False
 
 
 @dataclass(slots=True)
@@ -157,6 +160,9 @@ def build_forward(request_id: int, requests: Sequence[RequestSpec]) -> Forward:
         steps=np.array([r.steps for r in requests], dtype=np.uint32)
         if any(r.steps != 1 for r in requests)
         else _NO_STEPS,
+        score_tokens=np.array([o.score_token for o in outputs], dtype=np.int32)
+        if any(o.score_token >= 0 for o in outputs)
+        else _NO_SCORES,
         **per_output,
     )
 

@@ -167,6 +167,10 @@ def _check_outputs(f: Forward, n_inputs: npt.NDArray[np.int64], n_out: npt.NDArr
     for name in _PER_OUTPUT:
         if len(getattr(f, name)) != o:
             raise ShapeError(f"has {len(getattr(f, name))} entries for {o} output rows", name)
+    if len(f.score_tokens) not in (0, o):
+        raise ShapeError(f"has {len(f.score_tokens)} entries for {o} output rows (or none)", "score_tokens")
+    if len(f.score_tokens) and int(f.score_tokens.min()) < -1:
+        raise RangeError("must be a token id, or -1 for none", "score_tokens")
     if o == 0:
         return
     is_one_each = o == len(n_inputs) and int(n_out.max()) == 1  # the common decode batch
@@ -220,6 +224,8 @@ def _check_limits(
         raise RangeError(f"{len(f.tokens)} tokens exceed the limit {lim.max_tokens_per_pass}", "tokens")
     if len(f.tokens) and int(f.tokens.max()) >= lim.vocab_size:
         raise RangeError(f"token id {int(f.tokens.max())} >= vocab size {lim.vocab_size}", "tokens")
+    if len(f.score_tokens) and int(f.score_tokens.max()) >= lim.vocab_size:
+        raise RangeError(f"token id {int(f.score_tokens.max())} >= vocab size {lim.vocab_size}", "score_tokens")
     if len(f.positions) and int(f.positions.max()) >= lim.max_context:
         raise RangeError(f"position {int(f.positions.max())} >= max context {lim.max_context}", "positions")
     if int(f.pages.max()) >= lim.num_pages:

@@ -133,6 +133,11 @@ class Forward(Message):
     steps' slots. Its outputs carry no probes and no logit mask, and it has no mask rows. This
     lets the host generate N tokens of a context per round trip. `steps` is empty when every
     request is one step.
+
+    Scored rows: `score_tokens` is empty, or has one entry per output. An entry >= 0 on an
+    output with the LOGPROBS probe makes its `logprobs` value that token's log-probability
+    instead of the sampled token's (the top `probe_k` are reported as usual): the logprob of a
+    given continuation, e.g. each next token of a prompt. The row still samples as usual.
     """
 
     TAG: ClassVar[str] = "forward"
@@ -166,6 +171,7 @@ class Forward(Message):
     logit_masks: U32 = array_field("<u4")  # [K * ceil(V/32)], bit j of word i = token 32i+j
     deferred: U32 = array_field("<u4")  # [D] strictly increasing request indices (see above)
     steps: U32 = array_field("<u4")  # [R] decode steps per request, or empty: one each (see above)
+    score_tokens: I32 = array_field("<i4")  # [O] or empty: the token a LOGPROBS row scores, -1 none
 
     @property
     def num_requests(self) -> int:

@@ -11,6 +11,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from bridge_schema.config_rules import check_prefix_match_unit
@@ -58,6 +59,16 @@ T = TypeVar("T")
 MULTI_STEP_BUDGET_S = 0.010
 
 
+@dataclass(frozen=True, slots=True)
+class GrammarBudget:
+    """The grammar compiler's budgets (host.grammar.GrammarCompiler): seconds a compile is waited
+    for (0: no limit), MiB one compiled grammar may take, MiB the compiled-grammar cache keeps."""
+
+    compile_s: float = 10.0
+    max_grammar_mib: float = 64.0
+    cache_mib: float = 512.0
+
+
 class Engine:
     """Use `Engine.start(...)`; `close()` (or a `with` block) stops the loop and the driver."""
 
@@ -70,10 +81,10 @@ class Engine:
         max_loaded_adapters: int = 64,
         max_run_page_fraction: float = 1.0,
         max_group_page_fraction: float = 1.0,
-        grammar_compile_budget_s: float = 10.0,
+        grammar_budget: GrammarBudget | None = None,
     ) -> None:
         self._spec = spec
-        self._grammar_compile_budget_s = grammar_compile_budget_s
+        self._grammar_budget = grammar_budget or GrammarBudget()
         self._max_decode_steps = max(1, min(max_decode_steps, MAX_DECODE_STEPS))
         self._is_multi_step = False  # set from the handshake
         self._step_s = 0.0  # moving average of a pass's time per decode step, send to reply
@@ -126,7 +137,7 @@ class Engine:
         max_fill_chunk_tokens: int = 0,
         max_decode_steps: int = 16,
         startup_timeout_s: float = 60.0,
-        grammar_compile_budget_s: float = 10.0,
+        grammar_budget: GrammarBudget | None = None,
     ) -> Engine:
         """Start (or connect to) the driver and wait for its handshake. `driver`: "dummy" or
         "torch" (a subprocess on a Unix socket), "loopback" (in-process), "unix:PATH" or
@@ -136,7 +147,7 @@ class Engine:
         `max_group_page_fraction`: the most the runs of one group (`set_run_group`) may hold.
         `max_decode_steps`: the most steps of a multi-step request (host-side generation runs
         that many per pass while passes are short; 1 turns multi-step off).
-        `grammar_compile_budget_s`: the longest a grammar compile is waited for (0: no limit)."""
+        `grammar_budget`: the grammar compiler's time and memory budgets."""
         hello = Hello(
             page_size=page_size,
             num_pages=num_pages,
@@ -159,7 +170,7 @@ class Engine:
             max_loaded_adapters,
             max_run_page_fraction,
             max_group_page_fraction,
-            grammar_compile_budget_s,
+            grammar_budget,
         )
         engine._thread.start()
         engine._ready.wait()
@@ -387,7 +398,13 @@ class Engine:
                 from host.grammar import GrammarCompiler, TokenizerSpec
 
                 spec = TokenizerSpec.from_handshake(self._handshake)
-                self._grammar_compiler = GrammarCompiler(spec, compile_budget_s=self._grammar_compile_budget_s)
+                budget = self._grammar_budget
+                self._grammar_compiler = GrammarCompiler(
+                    spec,
+                    compile_budget_s=budget.compile_s,
+                    max_grammar_mib=budget.max_grammar_mib,
+                    cache_mib=budget.cache_mib,
+                )
             return self._grammar_compiler
 
     def speculation_stats(self) -> dict[str, int]:

@@ -60,6 +60,8 @@ def check_request(request: PassRequest, kv_start: int, h: Handshake, adapters: s
             raise InvalidRequest("sampler out of range: top_p in (0, 1], min_p in [0, 1), top_k >= 0, seed >= -1")
         if not 0 <= o.probe_k <= h.max_probe_k:
             raise InvalidRequest(f"probe_k must be in [0, {h.max_probe_k}]")
+        if o.score_token >= h.vocab_size or (o.score_token >= 0 and Probe.LOGPROBS not in o.probe):
+            raise InvalidRequest(f"a scored token must be in [0, {h.vocab_size}) on a row with the logprobs probe")
         if o.logit_mask is not None:
             if len(o.logit_mask) != words:
                 raise InvalidRequest(f"a logit mask has {words} words for a vocabulary of {h.vocab_size}")

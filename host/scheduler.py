@@ -316,7 +316,7 @@ class Scheduler:
         if item.mask_rows is not None:
             mask_rows = [trim_runs(item.mask_rows[i], kv_len) for i in range(start, stop)]
         outputs = [
-            OutputSpec(o.row - start, o.sampler, o.probe, o.probe_k, o.logit_mask)
+            OutputSpec(o.row - start, o.sampler, o.probe, o.probe_k, o.logit_mask, o.score_token)
             for o in item.outputs
             if start <= o.row < stop
         ]

@@ -181,7 +181,9 @@ class DummyDriver:
             n_allowed = vocab if allowed is None else len(allowed)
             lp = -math.log(n_allowed)
             if probe & Probe.LOGPROBS:
-                logprobs[i] = lp
+                scored = int(f.score_tokens[i]) if len(f.score_tokens) else -1
+                # Uniform over the allowed tokens: a scored token outside them has logprob -inf.
+                logprobs[i] = -np.inf if scored >= 0 and allowed is not None and scored not in allowed else lp
                 k = min(int(f.probe_k[i]), n_allowed)
                 ids = np.arange(k, dtype=np.uint32) if allowed is None else allowed[:k].astype(np.uint32)
                 topk_ids.append(ids)

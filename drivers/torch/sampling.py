@@ -123,7 +123,8 @@ def sample(
             flags = Probe(int(fwd.probe[o]))
             lp = lp_all[j]
             if Probe.LOGPROBS in flags:
-                logprobs[o] = float(lp[int(tokens_np[o])])
+                scored = int(fwd.score_tokens[o]) if len(fwd.score_tokens) else -1
+                logprobs[o] = float(lp[scored if scored >= 0 else int(tokens_np[o])])
                 k = int(fwd.probe_k[o])
                 if k:
                     v, i = torch.topk(lp, k)

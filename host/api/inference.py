@@ -129,6 +129,14 @@ def output(run: RunState, handle: ResourceAny, row: int, sampler: Any, probe: An
 
 
 @host_function
+def score(run: RunState, handle: ResourceAny, row: int, token: int, probe_k: int) -> None:
+    """An output on `row` that reports the logprob of `token` (the row's continuation) and the
+    top `probe_k`; the row samples greedily, so its token is the model's own first choice."""
+    spec = OutputSpec(row=row, probe=Probe.LOGPROBS, probe_k=probe_k, score_token=token)
+    _builder(run, handle).outputs.append(spec)
+
+
+@host_function
 def use_adapter(run: RunState, handle: ResourceAny, adapter_id: int) -> None:
     try:
         adapter = adapter_api.loaded_by_rep(run, adapter_id)
@@ -464,6 +472,7 @@ def register(instance: LinkerInstance) -> None:
     instance.add_func("[method]forward-pass.input-tokens", input_tokens)
     instance.add_func("[method]forward-pass.input-positions", input_positions)
     instance.add_func("[method]forward-pass.output", output)
+    instance.add_func("[method]forward-pass.score", score)
     instance.add_func("[method]forward-pass.use-adapter", use_adapter)
     instance.add_func("[method]forward-pass.attention-window", attention_window)
     instance.add_func("[method]forward-pass.attention-rows", attention_rows)

@@ -52,6 +52,8 @@ class DaemonConfig:
     # SGLang and llama.cpp accept such requests, and clients written for them send them).
     json_object_requires_json_word: bool = False
     grammar_compile_budget_s: float = 10.0  # the longest a request or run waits for one compile (0: none)
+    grammar_max_mib: float = 64.0  # the most one compiled grammar may take; larger ones are a 400
+    grammar_cache_mib: float = 512.0  # compiled grammars kept (least recently used dropped past it)
     max_upload_bytes: int = 64 * MIB
     max_request_bytes: int = 4 * MIB
     driver_startup_timeout_s: float = 300.0  # a first --compile start: kernels ~20 s, compiling ~70 s
@@ -232,6 +234,8 @@ def _check(c: DaemonConfig) -> None:
         "max_request_bytes": 1024,
         "drain_timeout_s": 0,
         "grammar_compile_budget_s": 0,
+        "grammar_max_mib": 0.001,
+        "grammar_cache_mib": 1,
         "restart_backoff_initial_s": 0.01,
     }
     for key, minimum in minimums.items():

@@ -109,12 +109,6 @@ def prepare_chat(
 
 def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Tokenizer, grammars: GrammarSource) -> Job:
     _check_unsupported_sampling(req.frequency_penalty, req.presence_penalty, req.logit_bias)
-    if req.echo and req.logprobs is not None:
-        raise InvalidRequest(
-            "echo with logprobs (the prompt's own logprobs) is not supported yet; use echo or logprobs",
-            param="echo",
-            code="unsupported_parameter",
-        )
     if req.suffix:
         raise InvalidRequest("suffix is not supported", param="suffix", code="unsupported_parameter")
     n = req.n or 1
@@ -144,7 +138,11 @@ def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Toke
     max_tokens = _fit_context(max(counts), limit, model.max_context, "prompt")
     logprobs = req.logprobs is not None
     job = _job(req, prompts, sum(counts), max_tokens, logprobs, req.logprobs or 0)
-    return replace(job, echo=tuple(echo)) if req.echo else job
+    if not req.echo:
+        return job
+    if logprobs:
+        job.args["echo_logprobs"] = True  # each prompt token's logprob, from the prompt's own pass
+    return replace(job, echo=tuple(echo))
 
 
 def _job(

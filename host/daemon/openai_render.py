@@ -44,8 +44,10 @@ class Renderer:
         self._tokenizer = tokenizer
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}"
         self.created = int(time.time())
-        # echo: a completion's text starts with its prompt's (streamed in the first chunk).
-        self.choices = [Choice(i, job.echo[i // job.n] if job.echo else "") for i in range(job.num_prompts * job.n)]
+        # echo: a completion's text starts with its prompt's (streamed in the first chunk); with
+        # logprobs, once the prompt's logprobs come (the inferlet's "prompt_logprobs" message).
+        early_echo = bool(job.echo) and not job.logprobs
+        self.choices = [Choice(i, job.echo[i // job.n] if early_echo else "") for i in range(job.num_prompts * job.n)]
         self.prompt_tokens = job.prompt_tokens
         self._token_text: dict[int, str] = {}
 
@@ -57,6 +59,12 @@ class Renderer:
             self.prompt_tokens = sum(int(n) for n in message["prompt_tokens"])
             return []
         updates: dict[int, Update] = {}
+        for prompt_index, entries in message.get("prompt_logprobs", ()):
+            text = self.job.echo[prompt_index] if self.job.echo else ""
+            for index in range(prompt_index * self.job.n, (prompt_index + 1) * self.job.n):
+                choice = self.choices[index]
+                choice.text, choice.entries = text + choice.text, list(entries) + choice.entries
+                updates[index] = (index, text, list(entries), None)
         for index, text, entry in message.get("deltas", ()):
             choice = self.choices[index]
             choice.text += text
@@ -294,7 +302,9 @@ class Renderer:
             text = self._text(token)
             tokens.append(text)
             token_lps.append(logprob)
-            tops.append({self._text(t): lp for t, lp in zip(top_ids, top_lps, strict=True)})
+            # A prompt's first token has no logprob (echo): null, with null top logprobs.
+            top = {self._text(t): lp for t, lp in zip(top_ids, top_lps, strict=True)}
+            tops.append(None if logprob is None else top)
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}

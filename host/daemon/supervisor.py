@@ -21,7 +21,7 @@ from typing import IO
 
 from host.daemon.config import DaemonConfig
 from host.daemon.errors import DriverUnavailable
-from host.engine import Engine
+from host.engine import Engine, GrammarBudget
 from host.errors import HostError
 
 log = logging.getLogger("wafer.daemon.driver")
@@ -159,7 +159,11 @@ class Supervisor:
                 max_run_page_fraction=self._config.run_max_pages_fraction,
                 max_group_page_fraction=self._config.key_max_pages_fraction,
                 startup_timeout_s=self._config.driver_startup_timeout_s,
-                grammar_compile_budget_s=self._config.grammar_compile_budget_s,
+                grammar_budget=GrammarBudget(
+                    self._config.grammar_compile_budget_s,
+                    self._config.grammar_max_mib,
+                    self._config.grammar_cache_mib,
+                ),
             )
             with self._cond:
                 self._generation += 1

@@ -15,6 +15,7 @@ from host.grammar.compiler import OPTIONS, GrammarCompiler
 from host.grammar.errors import (
     CompileBudgetExceeded,
     GrammarError,
+    GrammarTooLarge,
     InvalidEBNF,
     InvalidGrammar,
     InvalidJSONSchema,
@@ -36,6 +37,7 @@ __all__ = [
     "GrammarCompiler",
     "GrammarError",
     "GrammarKey",
+    "GrammarTooLarge",
     "InvalidEBNF",
     "InvalidGrammar",
     "InvalidJSONSchema",

@@ -7,7 +7,8 @@
     │   ├── InvalidRegex         a regex that does not parse or uses an unsupported construct
     │   ├── InvalidEBNF          an EBNF grammar that does not parse
     │   ├── InvalidToolCall      a tool list or tool choice that cannot describe a call
-    │   └── CompileBudgetExceeded  compiling took longer than the compiler's budget
+    │   ├── CompileBudgetExceeded  compiling took longer than the compiler's budget
+    │   └── GrammarTooLarge      the compiled grammar takes more memory than its budget
     ├── TokenizerUnsupported     the driver's tokenizer cannot be turned into a token table
     └── MatcherError             a matcher call with bad arguments (token id, rollback depth, mask)
 
@@ -76,6 +77,19 @@ class CompileBudgetExceeded(InvalidGrammar):
             "simplify the grammar, or retry later (the compile goes on, and its result is kept)",
         )
         self.budget_s = budget_s
+
+
+class GrammarTooLarge(InvalidGrammar):
+    """The compiled grammar takes more memory than one grammar may (it is not kept)."""
+
+    def __init__(self, kind: str, size_bytes: int, budget_bytes: int) -> None:
+        super().__init__(
+            kind,
+            f"the compiled grammar takes {size_bytes / 2**20:.1f} MiB, more than this host's budget of "
+            f"{budget_bytes / 2**20:g} MiB per grammar (grammar_max_mib); simplify the grammar",
+        )
+        self.size_bytes = size_bytes
+        self.budget_bytes = budget_bytes
 
 
 class TokenizerUnsupported(GrammarError):

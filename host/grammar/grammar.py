@@ -57,6 +57,14 @@ class Grammar:
     def matcher(self) -> Matcher:
         return Matcher(self)
 
+    @property
+    def memory_bytes(self) -> int:
+        """Memory the compiled grammar holds (xgrammar's own count; for llguidance its
+        serialized grammar). Budgeted and cached by this."""
+        if isinstance(self.compiled, CompiledLLG):
+            return self.compiled.memory_bytes
+        return int(self.compiled.memory_size_bytes)
+
     def new_state(self) -> xgr.GrammarMatcher | LLGState:
         """A fresh parse state of the engine that compiled this grammar (for Matcher)."""
         if isinstance(self.compiled, CompiledLLG):

@@ -286,6 +286,11 @@ def _node_features(
         yield "allOf (more than one subschema)"
     if isinstance(node.get("oneOf"), list) and len(node["oneOf"]) > 1 and not _exclusive(root, node["oneOf"]):
         yield "oneOf (matched as anyOf)"
+    for shape in ("format", "pattern"):  # measured: xgrammar compiles the shape alone
+        if isinstance(node.get(shape), str):
+            for bound in ("minLength", "maxLength"):
+                if bound in node:
+                    yield f"{bound} beside {shape}"
     if "multipleOf" in node and not _enforced_multiple_of(node):
         yield "multipleOf (only on integers without bounds)"
     fmt = node.get("format")

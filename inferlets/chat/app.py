@@ -54,15 +54,23 @@ def _prompt_tokens(prompt: dict) -> list[int]:
     return [int(t) for t in prompt["tokens"]]
 
 
-def _fill(tokens: list[int]) -> _ctx.Context:
+def _fill(tokens: list[int], score_k: int = -1) -> tuple[_ctx.Context, list]:
     """A context holding all prompt tokens but the last, which stays pending: it is the input
-    that predicts the first generated token."""
+    that predicts the first generated token. With `score_k` >= 0, also each prompt token's
+    logprob given the ones before it (the first has none), with the top `score_k`: the entries
+    a completion's `echo` reports."""
     ctx = _call(_ctx.Context.create)
+    entries = [[tokens[0], None, [], []]] if score_k >= 0 else []
     if len(tokens) > 1:
         with _inf.ForwardPass(ctx) as fp:
             fp.input_tokens(tokens[:-1])
-            _call(fp.execute)
-    return ctx
+            if score_k >= 0:
+                for row in range(len(tokens) - 1):
+                    fp.score(row, tokens[row + 1], score_k)
+            outputs = _call(fp.execute)
+        for row, out in enumerate(outputs):
+            entries.append([tokens[row + 1], float(out.logprob), list(out.topk_ids), list(out.topk_logprobs)])
+    return ctx, entries
 
 
 def _step(branches: list[Branch], probe: _inf.Probe, probe_k: int) -> list[_inf.Output]:
@@ -131,12 +139,16 @@ def main(args: list[str]) -> None:
 
     branches: list[Branch] = []
     prompt_lengths = []
+    prompt_logprobs = []
+    score_k = probe_k if req.get("echo_logprobs") else -1
     for p_index, prompt in enumerate(req["prompts"]):
         tokens = _prompt_tokens(prompt)
         if not tokens:
             raise InferletError(f"prompt {p_index} is empty")
         prompt_lengths.append(len(tokens))
-        root = _fill(tokens)
+        root, scored = _fill(tokens, score_k)
+        if scored:
+            prompt_logprobs.append([p_index, scored])
         for i in range(n):
             ctx = root if i == n - 1 else _call(root.fork)
             index = p_index * n + i
@@ -145,6 +157,8 @@ def main(args: list[str]) -> None:
                 branch.matcher = _g.Matcher(grammar)
             branches.append(branch)
     send(json.dumps({"prompt_tokens": prompt_lengths}))
+    if prompt_logprobs:
+        send(json.dumps({"prompt_logprobs": prompt_logprobs}))
 
     live = list(branches)
     while live:

@@ -55,7 +55,7 @@ def sample_forward() -> Message:
                 adapter_id=2,
                 mask_rows=[[0, 10], [2, 8]],
                 outputs=[
-                    OutputSpec(0, probe=Probe.LOGPROBS, probe_k=3),
+                    OutputSpec(0, probe=Probe.LOGPROBS, probe_k=3, score_token=21),
                     OutputSpec(1, probe=Probe.DISTRIBUTION, logit_mask=pack_allowed(260, [1, 2, 3])),
                 ],
             ),

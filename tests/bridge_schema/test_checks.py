@@ -155,6 +155,13 @@ def test_deferred_request_indices_are_checked() -> None:
     _expect(RangeError, "tokens", _with(deferred=np.array([0, 2], np.uint32)))  # token 10 is not 0
 
 
+def test_score_tokens_are_one_per_output_or_none() -> None:
+    _expect(ShapeError, "score_tokens", _with(score_tokens=np.array([1, 2], np.int32)))  # 3 outputs
+    _expect(RangeError, "score_tokens", _with(score_tokens=np.array([-2, -1, -1], np.int32)))
+    _expect(RangeError, "score_tokens", _with(score_tokens=np.array([-1, 5000, -1], np.int32)))  # vocab 260
+    decode(encode(_with(score_tokens=np.array([-1, 7, -1], np.int32))), LIMITS)  # valid
+
+
 def _steps(**changes: Any) -> Forward:
     return dataclasses.replace(sample_multi_step_forward(), **changes)
 

@@ -103,6 +103,21 @@ def test_probe_outputs_are_shaped() -> None:
     assert first.distribution is None
 
 
+def test_a_scored_row_reports_its_tokens_logprob() -> None:
+    """Uniform over the allowed tokens: a scored token inside them has -log(n), outside -inf."""
+    d = _driver()
+    mask = pack_allowed(260, [7, 8, 9])
+    outputs = [
+        OutputSpec(0, probe=Probe.LOGPROBS, score_token=200),
+        OutputSpec(1, probe=Probe.LOGPROBS, logit_mask=mask, score_token=8),
+        OutputSpec(2, probe=Probe.LOGPROBS, logit_mask=mask, score_token=200),
+    ]
+    f = build_forward(1, [RequestSpec(1, [1, 2, 3], [0, 1, 2], [0], 3, outputs)])
+    results = split_result(f, d.forward(f))[0]
+    assert [r.logprob for r in results[:2]] == pytest.approx([-np.log(260), -np.log(3)])
+    assert results[2].logprob == -np.inf
+
+
 def test_copy_and_adapter_are_acknowledged_and_counted() -> None:
     d = _driver()
     d.copy(Copy(src_pages=np.array([1], np.uint32), dst_pages=np.array([2], np.uint32)))

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from bridge_schema.batch import OutputSpec, Sampler
+from bridge_schema.messages import Probe
 from host.engine import Engine
 from host.errors import (
     ContextNotFound,
@@ -201,6 +202,8 @@ def test_an_attention_row_that_attends_to_no_key_is_refused(engine: Engine, run_
         PassRequest(tokens=[1], outputs=[OutputSpec(0, Sampler.random(temperature=0.0))]),
         PassRequest(tokens=[1], adapter_id=3),
         PassRequest(tokens=[1], mask_rows=[[0, 5]]),
+        PassRequest(tokens=[1], outputs=[OutputSpec(0, probe=Probe.LOGPROBS, score_token=10_000)]),
+        PassRequest(tokens=[1], outputs=[OutputSpec(0, score_token=5)]),  # scored without the probe
     ],
 )
 def test_invalid_requests_are_refused_before_the_driver(engine: Engine, run_id: int, request_: PassRequest) -> None:

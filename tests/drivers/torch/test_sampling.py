@@ -99,3 +99,18 @@ def test_probes_are_log_softmax_of_masked_raw_logits(driver: TorchDriver) -> Non
     dist = res.distribution  # type: ignore[attr-defined]
     assert dist.shape == (V,) and np.isneginf(dist[1::2]).all()
     np.testing.assert_allclose(dist[::2], expect[::2].numpy(), atol=1e-5)
+
+
+def test_a_scored_row_reports_the_given_tokens_logprob(driver: TorchDriver) -> None:
+    """score_token: the logprob of a given continuation (each next prompt token, for echo), not
+    the sampled token's; the row still samples, and its top-k is the usual one."""
+    rows = driver.logits(forward([request(TOKS, 0, PAGES, 4, outputs=[OutputSpec(r) for r in range(5)])]))
+    outs = [OutputSpec(row=r, probe=Probe.LOGPROBS, probe_k=3, score_token=TOKS[r + 1]) for r in range(5)]
+    f = forward([request(TOKS, 0, PAGES, 4, outputs=outs)])
+    assert f.score_tokens.tolist() == TOKS[1:6]
+    results = split_result(f, driver.forward(f))[0]
+    for r, res in enumerate(results):
+        expect = torch.log_softmax(rows[r], -1)
+        assert res.logprob == pytest.approx(float(expect[TOKS[r + 1]]), abs=1e-5)
+        assert res.token == int(rows[r].argmax())  # greedy: the model's own choice
+        assert res.topk_ids.tolist() == torch.topk(expect, 3).indices.tolist()  # type: ignore[attr-defined]

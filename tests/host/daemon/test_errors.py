@@ -83,7 +83,6 @@ BAD_COMPLETION: list[tuple[dict[str, Any], str | None]] = [
     ({"prompt": [-1]}, None),
     ({"prompt": LONG}, "prompt"),
     ({"logprobs": 6}, "logprobs"),
-    ({"echo": True, "logprobs": 1}, "echo"),  # prompt logprobs are not served yet
     ({"suffix": "x"}, "suffix"),
     ({"best_of": 3}, "best_of"),
     ({"max_tokens": MAX_CONTEXT}, "prompt"),

@@ -224,6 +224,32 @@ def test_completions_echo_the_prompt(server: Server) -> None:
     assert texts == {0: echoed.choices[0].text, 1: echoed.choices[1].text}
 
 
+def test_completions_echo_the_prompts_logprobs(server: Server) -> None:
+    """Each prompt token's logprob given the ones before (the first has none), then the
+    generated tokens': the legacy API's scoring use. The dummy's distribution is uniform over
+    its 260 tokens."""
+    client = server.client()
+    resp = client.completions.create(model="dummy", prompt="abc", max_tokens=3, seed=2, echo=True, logprobs=2)
+    choice = resp.choices[0]
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert lp.top_logprobs is not None and lp.text_offset is not None
+    assert choice.text.startswith("abc") and "".join(lp.tokens) == choice.text
+    assert lp.tokens[:3] == ["a", "b", "c"] and lp.text_offset[:4] == [0, 1, 2, 3]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([-math.log(260)] * (len(lp.tokens) - 1), abs=1e-4)
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+    assert len(lp.tokens) == 3 + 3
+    streamed_text, streamed_tokens = "", []
+    for chunk in client.completions.create(
+        model="dummy", prompt="abc", max_tokens=3, seed=2, echo=True, logprobs=2, stream=True
+    ):
+        for c in chunk.choices:
+            streamed_text += c.text
+            streamed_tokens += (c.logprobs.tokens or []) if c.logprobs else []
+    assert streamed_text == choice.text and streamed_tokens == lp.tokens
+
+
 def test_completions_logprobs_and_stream(server: Server) -> None:
     client = server.client()
     response = client.completions.create(model="dummy", prompt="abc", max_tokens=5, logprobs=2, temperature=0)

@@ -124,3 +124,23 @@ def test_corpus_schemas_from_a_real_model_validate_when_finished(client: openai.
             assert not errors, (name, choice.message.content, errors)
             finished.append(name)
     assert len(finished) >= 3, finished
+
+
+def test_echoed_prompt_logprobs_score_the_models_own_continuation(client: openai.OpenAI) -> None:
+    """Greedy one token after a prompt, then echo that prompt plus the token with logprobs: the
+    last prompt token's logprob is the one the generation reported (same context, same
+    distribution), so each prompt row is scored at the right position."""
+    prompt = "The capital of France is"
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1)
+    lp = first.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs
+    scored = client.completions.create(
+        model=MODEL, prompt=prompt + lp.tokens[0], max_tokens=1, temperature=0, echo=True, logprobs=1
+    )
+    echo = scored.choices[0].logprobs
+    assert echo is not None and echo.tokens and echo.token_logprobs
+    n = len(echo.tokens) - 1  # the prompt's tokens, then the one generated
+    assert echo.token_logprobs[0] is None and "".join(echo.tokens[:n]) == prompt + lp.tokens[0]
+    assert echo.tokens[n - 1] == lp.tokens[0]
+    assert echo.token_logprobs[n - 1] == pytest.approx(lp.token_logprobs[0], abs=2e-3)
+    assert all(v is not None and v <= 0 for v in echo.token_logprobs[1:])

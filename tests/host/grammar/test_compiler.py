@@ -15,6 +15,7 @@ from host.grammar import (
     CompileBudgetExceeded,
     GrammarCompiler,
     GrammarError,
+    GrammarTooLarge,
     InvalidEBNF,
     InvalidGrammar,
     InvalidJSONSchema,
@@ -286,3 +287,20 @@ def test_callers_of_one_grammar_share_one_compile(byte_spec: TokenizerSpec) -> N
         started.set()
         grammars = [f.result() for f in futures]
     assert len(builds) == 1 and all(g is grammars[0] for g in grammars)
+
+
+def test_a_grammar_over_the_memory_budget_is_refused_and_not_kept(byte_spec: TokenizerSpec) -> None:
+    small = GrammarCompiler(byte_spec, max_threads=1, max_grammar_mib=1 / 1024)  # 1 KiB
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(40)}}
+    with pytest.raises(GrammarTooLarge, match=r"MiB per grammar \(grammar_max_mib\)") as info:
+        small.json_schema(schema, backend="xgrammar")
+    assert info.value.size_bytes > 1024 and small.cache_len() == 0
+    assert GrammarCompiler(byte_spec, max_threads=1).json_schema(schema, backend="xgrammar").memory_bytes > 1024
+
+
+def test_the_cache_keeps_within_its_memory(byte_spec: TokenizerSpec) -> None:
+    one = GrammarCompiler(byte_spec, max_threads=1).json_schema({"type": "integer"}, backend="xgrammar").memory_bytes
+    compiler = GrammarCompiler(byte_spec, max_threads=1, cache_mib=2.5 * one / 2**20)
+    grammars = [compiler.json_schema({"type": "integer", "minimum": i}, backend="xgrammar") for i in range(6)]
+    assert compiler.cache_len() < 6 and compiler.cache_bytes() <= 2.5 * one * 1.5  # bounds differ in size a little
+    assert compiler.json_schema({"type": "integer", "minimum": 5}, backend="xgrammar") is grammars[5]  # newest kept

@@ -34,6 +34,10 @@ NOT_ENFORCED: list[tuple[str, dict[str, Any], Any]] = [
     ("maxItems without type", {"maxItems": 1}, [1, 2]),
     ("minProperties without type", {"minProperties": 1}, {}),
     ("maxProperties without type", {"maxProperties": 1}, {"a": 1, "b": 2}),
+    # A length beside a format or a pattern is dropped (xgrammar warns "format combined with
+    # minLength/maxLength is not supported").
+    ("maxLength beside format", {"type": "string", "format": "email", "maxLength": 5}, "abcdef@x.com"),
+    ("minLength beside pattern", {"type": "string", "pattern": "^a", "minLength": 3}, "a"),
     # Keywords beside anyOf, enum and the like are dropped: the node is compiled from it alone.
     (
         "anyOf with other keywords beside it (properties type)",

@@ -46,6 +46,7 @@ class DaemonConfig:
     adapter_dir: str = ""  # where LoRA adapter names are resolved, on the driver's machine ("" = off)
     max_loaded_adapters: int = 64
     max_loaded_component_mib: int = 1024  # compiled inferlets kept in memory (LRU past it)
+    component_compile_mib: int = 2048  # the memory one inferlet's compile may take (in a child process)
     run_max_pages_fraction: float = 0.5  # of the KV page pool, the most one run's contexts may hold
     key_max_pages_fraction: float = 0.75  # the most the runs of one API key may hold together
     # OpenAI's rule for response_format json_object: the messages must say "json" (off: vLLM,
@@ -87,6 +88,7 @@ class DaemonConfig:
             max_output_bytes=self.run_max_output_mib * MIB,
             max_inbound_bytes=self.run_max_inbound_mib * MIB,
             max_loaded_component_bytes=self.max_loaded_component_mib * MIB,
+            compile_memory_bytes=self.component_compile_mib * MIB,
         )
 
     @property
@@ -230,6 +232,7 @@ def _check(c: DaemonConfig) -> None:
         "run_max_inbound_mib": 1,
         "max_loaded_adapters": 1,
         "max_loaded_component_mib": 1,
+        "component_compile_mib": 64,
         "max_upload_bytes": 1,
         "max_request_bytes": 1024,
         "drain_timeout_s": 0,

@@ -17,6 +17,7 @@ from pathlib import Path
 import wasmtime
 from wasmtime.component import Component
 
+from host.sandbox.compile_worker import CompileFailed, compile_in_child
 from host.sandbox.engine import ENGINE_FLAGS, WASMTIME_VERSION
 from host.sandbox.errors import ComponentLoadError
 
@@ -41,10 +42,19 @@ class CompileCache:
     of its compiled file, which it maps): past it the least recently used ones are dropped (a
     run that holds one keeps it alive; the next load maps the cached file again). A compile runs
     outside the cache's lock, so loads of other components never wait for it; two loads of the
-    same file compile it once."""
+    same file compile it once. With `compile_memory_bytes` (> 0) a compile runs in a child
+    process whose writable memory is capped there (`compile_worker`): the host's memory never
+    grows with a compile, and one that needs more fails with a ComponentLoadError saying so."""
 
-    def __init__(self, engine: wasmtime.Engine, directory: Path, max_loaded_bytes: int = 1 << 30) -> None:
+    def __init__(
+        self,
+        engine: wasmtime.Engine,
+        directory: Path,
+        max_loaded_bytes: int = 1 << 30,
+        compile_memory_bytes: int = 0,
+    ) -> None:
         self._engine = engine
+        self._compile_memory_bytes = compile_memory_bytes
         self._dir = directory
         self._max_loaded_bytes = max_loaded_bytes
         self._lock = threading.Lock()
@@ -104,11 +114,19 @@ class CompileCache:
                 return Component.deserialize_file(self._engine, str(compiled)), compiled.stat().st_size
             except wasmtime.WasmtimeError as exc:
                 _log.warning("discarding unreadable compiled component %s: %s", compiled, exc)
+        self._dir.mkdir(parents=True, exist_ok=True)
+        if self._compile_memory_bytes > 0:
+            try:
+                compile_in_child(wasm_path, compiled, self._compile_memory_bytes)
+            except CompileFailed as exc:
+                if exc.is_memory:
+                    raise ComponentLoadError(f"{exc} (component_compile_mib)") from None
+                raise ComponentLoadError(f"{wasm_path} is not a valid component: {exc}") from None
+            return Component.deserialize_file(self._engine, str(compiled)), compiled.stat().st_size
         try:
             component = Component.from_file(self._engine, str(wasm_path))
         except wasmtime.WasmtimeError as exc:
             raise ComponentLoadError(f"{wasm_path} is not a valid component: {exc}") from exc
-        self._dir.mkdir(parents=True, exist_ok=True)
         data = component.serialize()
         tmp = compiled.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
         tmp.write_bytes(data)

@@ -32,6 +32,9 @@ class SandboxConfig:
     # The sandbox's, not a run's: compiled components kept loaded in memory (least recently used
     # dropped past it; `compile_cache.CompileCache`).
     max_loaded_component_bytes: int = 1024 * MIB
+    # The writable memory a component's compile may take, in a child process (0: compile in this
+    # process, unbounded). Measured: the 18 MB chat inferlet's compile peaked at about 430 MiB.
+    compile_memory_bytes: int = 2048 * MIB
 
     def __post_init__(self) -> None:
         # componentize-py's CPython needs about 12.3 MiB before running a line of user code.

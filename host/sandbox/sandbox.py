@@ -83,7 +83,9 @@ class Sandbox:
         self.config = config
         self._engine = new_engine()
         self._linker = new_linker(self._engine)
-        self._cache = CompileCache(self._engine, config.compiled_dir, config.max_loaded_component_bytes)
+        self._cache = CompileCache(
+            self._engine, config.compiled_dir, config.max_loaded_component_bytes, config.compile_memory_bytes
+        )
         self._ticker = EpochTicker(self._engine, config)
         self._ticker.start()
 

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 
+from host.daemon.errors import InvalidRequest
+from host.daemon.inferlet_store import InferletStore
+from host.sandbox import Sandbox, SandboxConfig
+from host.sandbox.config import MIB
 from tests.host.daemon.conftest import OTHER_KEY, Server
 from tests.host.daemon.sse import events
 
@@ -173,3 +178,15 @@ def test_runs_belong_to_their_key(server: Server, echo_id: str) -> None:
         http.post(f"/v1/runs/{run_id}/messages", json={"close": True})
         with http.stream("GET", f"/v1/runs/{run_id}/events") as response:
             assert list(events(response))[-1][1]["state"] == "succeeded"
+
+
+def test_an_upload_too_costly_to_compile_is_refused_naming_the_budget(server: Server, tmp_path: Path) -> None:
+    """The compile runs in a child whose memory is capped (component_compile_mib): past it the
+    upload is a clear refusal, nothing is stored, and the server's path is never shown."""
+    with Sandbox(SandboxConfig(cache_dir=tmp_path / "cache", compile_memory_bytes=100 * MIB)) as sandbox:
+        store = InferletStore(tmp_path / "store", sandbox)
+        with pytest.raises(InvalidRequest, match=r"needs more than 100 MiB \(component_compile_mib\)") as info:
+            store.add(server.echo_wasm.read_bytes())
+        assert str(tmp_path) not in str(info.value) and store.list() == []
+    with server.http() as http:  # the server itself keeps serving
+        assert http.get("/health").status_code == 200

@@ -12,7 +12,9 @@ from wasmtime.component import Component
 
 from host.build import build
 from host.sandbox.compile_cache import CompileCache
+from host.sandbox.config import MIB
 from host.sandbox.engine import new_engine
+from host.sandbox.errors import ComponentLoadError
 
 HERE = Path(__file__).parent
 
@@ -94,3 +96,32 @@ def test_loaded_components_are_bounded(wasm: Path, tmp_path: Path, cache_dir: Pa
     assert cache.num_loaded == 2
     assert cache.load(paths[0]) is first
     assert cache.load(paths[1]) is not None  # loads again from the compiled file
+
+
+def _rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def test_a_compile_runs_in_a_child_under_its_memory_budget(wasm: Path, tmp_path: Path) -> None:
+    """The compile takes hundreds of MiB (the 18 MB chat inferlet peaked at about 430 MiB here):
+    in a child, the host's memory stays where it was; past the budget the load fails saying so."""
+    before = _rss_mib()
+    cache = CompileCache(new_engine(), tmp_path / "compiled", compile_memory_bytes=2048 * MIB)
+    component = cache.load(wasm)
+    assert component is not None and cache.compiled_path(wasm).exists()
+    assert _rss_mib() - before < 100  # mapped compiled code only; an in-process compile keeps far more
+    tight = CompileCache(new_engine(), tmp_path / "tight", compile_memory_bytes=100 * MIB)
+    with pytest.raises(ComponentLoadError, match=r"needs more than 100 MiB \(component_compile_mib\)"):
+        tight.load(wasm)
+    assert not tight.compiled_path(wasm).exists()  # nothing half-written is kept
+
+
+def test_bytes_that_are_no_component_are_refused_by_the_child(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.wasm"
+    bad.write_bytes(b"\0asm\x01\0\0\0 not really")
+    cache = CompileCache(new_engine(), tmp_path / "compiled", compile_memory_bytes=512 * MIB)
+    with pytest.raises(ComponentLoadError, match="is not a valid component"):
+        cache.load(bad)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -73,6 +74,12 @@ def cmd_run(ns: argparse.Namespace) -> int:
         sys.stdout.write(chunk)
         sys.stdout.flush()
 
+    def show_sent(message: str) -> None:
+        sys.stderr.write(f"wafer: send: {message}\n")
+        sys.stderr.flush()
+
+    io = BufferedRunIO(on_chunk=write, on_send=show_sent)
+
     try:
         engine_start = Engine.start(
             driver=ns.driver,
@@ -83,7 +90,9 @@ def cmd_run(ns: argparse.Namespace) -> int:
         )
         with Sandbox(config) as sandbox, engine_start as engine:
             component = sandbox.load(wasm_path)
-            handle = sandbox.start(component, engine, args, io=BufferedRunIO(on_chunk=write))
+            handle = sandbox.start(component, engine, args, io=io)
+            if ns.stdin:
+                _feed_stdin(io)
             try:
                 outcome = handle.wait()
             except KeyboardInterrupt:
@@ -103,6 +112,25 @@ def cmd_run(ns: argparse.Namespace) -> int:
         print(f"wafer: run {outcome.run_id} {outcome.status.value}: {error}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _feed_stdin(io: BufferedRunIO) -> None:
+    """Each line of stdin becomes a message `receive()` returns (without its newline); end of
+    input closes the client side, so `receive()` then returns None. A daemon thread: a run that
+    ends before stdin does is not held up by it."""
+
+    def feed() -> None:
+        try:
+            for line in sys.stdin:
+                try:
+                    io.push(line[:-1] if line.endswith("\n") else line)
+                except SandboxError as exc:  # the inbox is full: this line is dropped
+                    print(f"wafer: stdin: {exc}", file=sys.stderr)
+        except (OSError, ValueError):  # stdin closed or unreadable
+            pass
+        io.close()
+
+    threading.Thread(target=feed, name="wafer-stdin", daemon=True).start()
 
 
 def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -149,6 +177,12 @@ def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     p_run.add_argument("--memory-mib", type=int, default=256, help="guest memory cap (default: 256)")
     p_run.add_argument("--timeout-s", type=float, default=600.0, help="wall-clock budget of the run")
     p_run.add_argument("--watchdog-s", type=float, default=5.0, help="max guest time between host calls")
+    p_run.add_argument(
+        "--no-stdin",
+        dest="stdin",
+        action="store_false",
+        help="do not feed stdin lines to receive() (by default each line is a message; end of input closes)",
+    )
     p_run.add_argument("-v", "--verbose", action="store_true", help="show build progress and host logs")
     p_run.set_defaults(func=cmd_run)
 

@@ -77,10 +77,17 @@ class Inbox:
 
 
 class BufferedRunIO:
-    """Collects output and sent messages; `on_chunk` sees each output chunk as it arrives."""
+    """Collects output and sent messages; `on_chunk` sees each output chunk as it arrives and
+    `on_send` each sent message."""
 
-    def __init__(self, on_chunk: Callable[[str], None] | None = None, max_inbound_bytes: int = 16 * MIB) -> None:
+    def __init__(
+        self,
+        on_chunk: Callable[[str], None] | None = None,
+        max_inbound_bytes: int = 16 * MIB,
+        on_send: Callable[[str], None] | None = None,
+    ) -> None:
         self._on_chunk = on_chunk
+        self._on_send = on_send
         self._lock = threading.Lock()
         self._chunks: list[str] = []
         self.sent: list[str] = []
@@ -100,6 +107,8 @@ class BufferedRunIO:
     def send(self, message: str) -> None:
         with self._lock:
             self.sent.append(message)
+        if self._on_send is not None:
+            self._on_send(message)
 
     def push(self, message: str) -> None:
         """Deliver a client message to the run."""

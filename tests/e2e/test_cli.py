@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,3 +58,45 @@ def test_run_reports_the_inferlets_error(
     err = capsys.readouterr().err
     assert "guest_error" in err
     assert "--prompt" in err
+
+
+ECHO = Path(__file__).resolve().parents[1] / "host" / "daemon" / "inferlets" / "echo"
+
+
+def test_run_feeds_stdin_lines_to_receive_and_shows_sent_messages() -> None:
+    """Each stdin line is a message `receive()` returns; end of input closes the client side
+    (receive() then returns None); each `send()` is printed to stderr, marked."""
+    done = subprocess.run(
+        [sys.executable, "-m", "host.cli", "run", str(ECHO), "--", "echo"],
+        input="hello\nwide world\n",
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == EXIT_OK, done.stderr
+    assert done.stdout == "echo: hello\necho: wide world\n"
+    assert 'wafer: send: {"received": 2}' in done.stderr
+    closed = subprocess.run(  # no input at all: receive() sees the close at once
+        [sys.executable, "-m", "host.cli", "run", str(ECHO), "--timeout-s", "60", "--", "echo"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert closed.returncode == EXIT_OK and 'wafer: send: {"received": 0}' in closed.stderr
+
+
+def test_a_run_timed_out_in_receive_exits_1_every_time() -> None:
+    """[limits] F8: 3 of 7 such runs aborted with SIGABRT (134) at e789649."""
+    for _ in range(4):
+        done = subprocess.run(
+            [sys.executable, "-m", "host.cli", "run", str(ECHO), "--no-stdin", "--timeout-s", "1", "--", "echo"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        assert done.returncode == EXIT_FAILED and "wall-clock budget of 1 s exhausted" in done.stderr, done.stderr
+        assert "cannot unwind" not in done.stderr

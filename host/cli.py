@@ -89,7 +89,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
             adapter_dir=ns.adapter_dir,
         )
         with Sandbox(config) as sandbox, engine_start as engine:
-            component = sandbox.load(wasm_path)
+            component = sandbox.load(wasm_path, _progress)
             handle = sandbox.start(component, engine, args, io=io)
             if ns.stdin:
                 _feed_stdin(io)

@@ -11,7 +11,9 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import wasmtime
@@ -67,8 +69,9 @@ class CompileCache:
         with self._lock:
             return len(self._loaded)
 
-    def load(self, wasm_path: Path) -> Component:
-        """The component in `wasm_path`, compiling it only if no compiled copy is cached."""
+    def load(self, wasm_path: Path, progress: Callable[[str], None] | None = None) -> Component:
+        """The component in `wasm_path`, compiling it only if no compiled copy is cached
+        (`progress` is told when a compile starts and ends)."""
         try:
             st = wasm_path.stat()
         except OSError as exc:
@@ -85,7 +88,7 @@ class CompileCache:
                 if hit is not None:
                     return hit
             try:
-                component, size = self._load_uncached(wasm_path)
+                component, size = self._load_uncached(wasm_path, progress)
             finally:
                 with self._lock:
                     self._loading.pop(identity, None)
@@ -107,7 +110,7 @@ class CompileCache:
     def compiled_path(self, wasm_path: Path) -> Path:
         return self._dir / f"{cache_key(file_digest(wasm_path))}.cwasm"
 
-    def _load_uncached(self, wasm_path: Path) -> tuple[Component, int]:
+    def _load_uncached(self, wasm_path: Path, progress: Callable[[str], None] | None) -> tuple[Component, int]:
         compiled = self.compiled_path(wasm_path)
         if compiled.exists():
             try:
@@ -115,6 +118,15 @@ class CompileCache:
             except wasmtime.WasmtimeError as exc:
                 _log.warning("discarding unreadable compiled component %s: %s", compiled, exc)
         self._dir.mkdir(parents=True, exist_ok=True)
+        say = progress or (lambda _message: None)
+        size_mib = wasm_path.stat().st_size / 2**20
+        say(f"compiling {wasm_path.name} ({size_mib:.0f} MiB) for this machine: once per build, seconds to a minute")
+        start = time.monotonic()
+        loaded = self._compile(wasm_path, compiled)
+        say(f"compiled in {time.monotonic() - start:.1f} s (kept in {self._dir})")
+        return loaded
+
+    def _compile(self, wasm_path: Path, compiled: Path) -> tuple[Component, int]:
         if self._compile_memory_bytes > 0:
             try:
                 compile_in_child(wasm_path, compiled, self._compile_memory_bytes)

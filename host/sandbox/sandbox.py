@@ -98,9 +98,10 @@ class Sandbox:
     def __exit__(self, *_exc: object) -> None:
         self.close()
 
-    def load(self, wasm_path: Path) -> Component:
-        """Compile (or fetch from the cache) the component at `wasm_path`."""
-        return self._cache.load(wasm_path)
+    def load(self, wasm_path: Path, progress: Callable[[str], None] | None = None) -> Component:
+        """Compile (or fetch from the cache) the component at `wasm_path`; `progress` hears of a
+        compile (it takes seconds: once per build and machine) when it starts and ends."""
+        return self._cache.load(wasm_path, progress)
 
     def start(
         self,

@@ -42,11 +42,11 @@ def test_a_slow_compile_does_not_hold_up_other_loads(
     inner = cache._load_uncached
     release, in_compile = threading.Event(), threading.Event()
 
-    def held(path: Path) -> tuple[Component, int]:
+    def held(path: Path, progress: object = None) -> tuple[Component, int]:
         if path == slow:
             in_compile.set()
             assert release.wait(60), "never released"
-        return inner(path)
+        return inner(path, None)
 
     monkeypatch.setattr(cache, "_load_uncached", held)
     results: list[Component] = []
@@ -71,9 +71,9 @@ def test_loads_of_one_file_compile_it_once(
     (path,) = _copies(wasm, tmp_path, 1)
     inner, calls = cache._load_uncached, []
 
-    def counted(p: Path) -> tuple[Component, int]:
+    def counted(p: Path, progress: object = None) -> tuple[Component, int]:
         calls.append(p)
-        return inner(p)
+        return inner(p, None)
 
     monkeypatch.setattr(cache, "_load_uncached", counted)
     got: list[Component] = []
@@ -117,6 +117,15 @@ def test_a_compile_runs_in_a_child_under_its_memory_budget(wasm: Path, tmp_path:
     with pytest.raises(ComponentLoadError, match=r"needs more than 100 MiB \(component_compile_mib\)"):
         tight.load(wasm)
     assert not tight.compiled_path(wasm).exists()  # nothing half-written is kept
+
+
+def test_a_compile_is_announced_with_its_time(wasm: Path, tmp_path: Path) -> None:
+    heard: list[str] = []
+    cache = CompileCache(new_engine(), tmp_path / "compiled", compile_memory_bytes=2048 * MIB)
+    cache.load(wasm, heard.append)
+    assert len(heard) == 2 and heard[0].startswith(f"compiling {wasm.name}") and heard[1].startswith("compiled in ")
+    CompileCache(new_engine(), tmp_path / "compiled").load(wasm, heard.append)  # cached: silent
+    assert len(heard) == 2
 
 
 def test_bytes_that_are_no_component_are_refused_by_the_child(tmp_path: Path) -> None:

@@ -479,6 +479,12 @@ class Engine:
         with self._lock:
             return self._pages.num_available
 
+    def run_usage(self, run_id: int) -> tuple[int, int]:
+        """(contexts, distinct KV pages) the run holds now (for tests and the harness)."""
+        with self._lock:
+            contexts = [c for c, r in self._owner.items() if r == run_id]
+            return len(contexts), len({p for c in contexts for p in self._pages.pages(c)})
+
     def context_pages(self, context_id: int) -> tuple[int, ...]:
         with self._lock:
             return self._pages.pages(context_id)

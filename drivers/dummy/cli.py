@@ -25,6 +25,12 @@ def build_parser(listen_required: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--pass-latency-ms", type=float, default=0.0, help="simulated time per pass")
     parser.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
     parser.add_argument(
+        "--say",
+        default=None,
+        metavar="TEXT",
+        help="every context samples TEXT (its UTF-8 bytes, one token each) then end-of-text, instead of random tokens",
+    )
+    parser.add_argument(
         "--no-deferred-tokens",
         dest="deferred_tokens",
         action="store_false",
@@ -55,6 +61,7 @@ def _config(args: argparse.Namespace) -> DummyConfig:
         pass_latency_ms=args.pass_latency_ms,
         seed=args.seed,
         deferred_tokens=args.deferred_tokens,
+        script=tuple(args.say.encode("utf-8")) if args.say is not None else (),
     )
 
 

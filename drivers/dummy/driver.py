@@ -57,6 +57,8 @@ class DummyConfig:
     pass_latency_ms: float = 0.0
     seed: int = 0
     deferred_tokens: bool = True  # advertise the capability (`drivers.serve` implements it)
+    # What every context "says": these tokens in order, then ENDOFTEXT (see DummyDriver._say).
+    script: tuple[int, ...] = ()
 
 
 class DummyDriver:
@@ -68,6 +70,8 @@ class DummyDriver:
         self.num_pages = config.num_pages
         self._rng = np.random.default_rng(config.seed)
         self._adapters: set[int] = set()
+        # With a script: per context, the script index sampled at each input position.
+        self._said: dict[int, dict[int, int]] = {}
         # With a pass latency: when the simulated device is free, and when the last reply is due.
         self._device_free_at = 0.0
         self.reply_at: float | None = None
@@ -122,6 +126,36 @@ class DummyDriver:
         return result
 
     def _forward(self, f: Forward) -> ForwardResult:
+        result = self._sample(f)
+        if self.config.script and f.num_outputs:
+            self._say(f, result.tokens)
+        return result
+
+    def _say(self, f: Forward, tokens: npt.NDArray[np.int32]) -> None:
+        """Each context samples the script in order, one token per new position, then
+        ENDOFTEXT; a position sampled again (a rolled-back or discarded step) gets the same
+        token. A logit mask that refuses the scripted token keeps the draw within it. A fork is
+        a new context: it starts the script again."""
+        script, words = self.config.script, logit_mask_words(self.config.vocab_size)
+        out_ptr = f.out_indptr.tolist()
+        for r in range(f.num_requests):
+            said = self._said.setdefault(int(f.context_ids[r]), {})
+            first = int(f.token_indptr[r])
+            for i in range(out_ptr[r], out_ptr[r + 1]):
+                position = int(f.positions[first + int(f.out_rows[i])])
+                if position not in said:
+                    earlier = [k for p, k in said.items() if p < position]
+                    said[position] = max(earlier) + 1 if earlier else 0
+                k = said[position]
+                want = script[k] if k < len(script) else ENDOFTEXT
+                mask = int(f.logit_mask_index[i])
+                if mask >= 0:
+                    allowed = unpack_allowed(self.config.vocab_size, f.logit_masks[mask * words : (mask + 1) * words])
+                    if not allowed[want]:
+                        continue
+                tokens[i] = want
+
+    def _sample(self, f: Forward) -> ForwardResult:
         # np.count_nonzero: a third of `.any()`'s cost on short arrays (this is the hot path).
         if np.count_nonzero(f.adapter_ids >= 0):
             bad = [a for a in f.adapter_ids.tolist() if a >= 0 and a not in self._adapters]

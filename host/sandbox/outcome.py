@@ -23,6 +23,11 @@ class RunOutcome:
     error: str | None = None
     stderr: str = ""
     num_leaked_resources: int = 0
+    # What the run still held when it ended, before the host freed it: contexts it had not
+    # released and the KV pages they held (pages shared by forks once; 0 when the services
+    # cannot tell).
+    held_contexts: int = 0
+    held_pages: int = 0
 
     @property
     def is_ok(self) -> bool:

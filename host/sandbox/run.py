@@ -37,6 +37,7 @@ class Run:
         self._stderr = GuestStream(state.run_id, "stderr", keep=True)
         self._thread = threading.Thread(target=self._main, name=f"wafer-run-{state.run_id}", daemon=True)
         self._store_ref: weakref.ref[wasmtime.Store] | None = None
+        self.held_contexts = self.held_pages = 0  # set as the run ends (RunOutcome)
 
     def start(self) -> None:
         self._thread.start()
@@ -74,6 +75,8 @@ class Run:
                 error=error,
                 stderr=self._stderr.text,
                 num_leaked_resources=num_leaked,
+                held_contexts=self.held_contexts,
+                held_pages=self.held_pages,
             )
             self._done.set()
 
@@ -146,6 +149,12 @@ class Run:
     def _free_resources(self) -> int:
         """Release what the guest still holds; the engine's `end_run` then frees the rest."""
         state = self.state
+        usage = getattr(state.services, "run_usage", None)  # the engine's (tests' services lack it)
+        if usage is not None:
+            try:
+                self.held_contexts, self.held_pages = usage(state.run_id)
+            except HostError:
+                pass
         leaked = state.resources.drain()
         for slot in leaked:
             if slot.kind is ResourceKind.CONTEXT:

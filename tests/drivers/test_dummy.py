@@ -150,3 +150,18 @@ def test_a_pass_that_samples_nothing_gets_an_empty_reply() -> None:
     result = _driver().forward(f)
     assert len(result.tokens) == len(result.logprobs) == 0
     assert result.topk_indptr.tolist() == result.dist_indptr.tolist() == [0]
+
+
+def test_a_script_is_said_in_order_per_context_then_end_of_text() -> None:
+    d = DummyDriver(DummyConfig(script=tuple(b"hi")))
+    d.handshake(Hello(page_size=16))
+
+    def step(context: int, position: int, mask: np.ndarray | None = None) -> int:
+        spec = RequestSpec(context, [65], [position], [context], position + 1, [OutputSpec(0, logit_mask=mask)])
+        f = build_forward(1, [spec])
+        return split_result(f, d.forward(f))[0][0].token
+
+    assert [step(1, 0), step(1, 1), step(1, 2)] == [ord("h"), ord("i"), 256]  # then ENDOFTEXT
+    assert step(1, 1) == ord("i")  # a position sampled again (a discarded step): the same token
+    assert step(2, 5) == ord("h")  # another context starts the script
+    assert step(3, 0, pack_allowed(260, [7, 8])) in (7, 8)  # a mask refusing the script wins

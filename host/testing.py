@@ -1,0 +1,161 @@
+"""Testing inferlets: run one on the dummy driver in this process, talk to it, and look at what it
+did. The same API serves plain Python and pytest (the `inferlet_runner` fixture of the plugin
+`host.pytest_plugin`, registered when wafer is installed).
+
+    with InferletRunner(say="Hello!") as runner:      # the "model" says Hello! then ends its text
+        result = runner.run("inferlets/text_completion", "--prompt", "Hi", "--max-tokens", "16")
+        assert result.ok and result.output == "Hello!"
+        live = runner.start("my_chat")                 # messages both ways
+        live.send("first question")
+        live.close()                                   # receive() returns None from here on
+        result = live.wait()
+        assert result.messages == ['{"answered": 1}'] and result.pages_held == 0
+
+A runner builds each inferlet once (cached by content, as `wafer build`), keeps one sandbox and
+one dummy driver (in-process, frames still encoded), and reports for each run its output, the
+messages it sent, its error, and what it still held when its main returned: contexts not
+released and the KV pages they held (forks' shared pages counted once).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from host.build import build
+from host.engine import Engine
+from host.sandbox import BufferedRunIO, RunHandle, RunStatus, Sandbox, SandboxConfig
+from host.sandbox.config import MIB, default_cache_dir
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    status: str  # a RunStatus value: "ok", "guest_error", "trapped", "timed_out", "cancelled", ...
+    output: str  # everything the run emitted
+    messages: list[str]  # what it sent, in order
+    error: str | None  # why it did not end "ok"
+    contexts_held: int  # contexts it had not released when its main returned
+    pages_held: int  # the KV pages those contexts held (pages shared by forks once)
+    run_id: int
+
+    @property
+    def ok(self) -> bool:
+        return self.status == RunStatus.OK.value
+
+
+class LiveRun:
+    """A started run: send it messages, close its inbox, wait for its result."""
+
+    def __init__(self, handle: RunHandle, io: BufferedRunIO) -> None:
+        self._handle = handle
+        self._io = io
+
+    def send(self, message: str) -> None:
+        """A message the run's `receive()` returns."""
+        self._io.push(message)
+
+    def close(self) -> None:
+        """The client sends nothing more: `receive()` returns None from here on."""
+        self._io.close()
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+    @property
+    def output(self) -> str:
+        """What the run emitted so far."""
+        return self._io.output
+
+    @property
+    def messages(self) -> list[str]:
+        """What the run sent so far."""
+        return list(self._io.sent)
+
+    def wait(self) -> RunResult:
+        outcome = self._handle.wait()
+        return RunResult(
+            outcome.status.value,
+            outcome.output,
+            list(self._io.sent),
+            outcome.error,
+            outcome.held_contexts,
+            outcome.held_pages,
+            outcome.run_id,
+        )
+
+
+@dataclass
+class InferletRunner:
+    """`say`: the text the dummy "model" says in every context (its UTF-8 bytes, one sampled
+    token each, then the end-of-text token; a grammar's or mask's refusal of the next byte falls
+    back to a draw within it), or None for random tokens. The other knobs are the dummy driver's
+    (vocab_size at least 260: 256 bytes and 4 special tokens) and the run's limits."""
+
+    say: str | None = None
+    vocab_size: int = 260
+    page_size: int = 16
+    num_pages: int = 4096
+    seed: int = 0
+    speculation_depth: int = 1
+    memory_mib: int = 256
+    timeout_s: float = 60.0
+    cache_dir: Path = field(default_factory=default_cache_dir)
+
+    def __post_init__(self) -> None:
+        args = ["--vocab-size", str(self.vocab_size), "--page-size", str(self.page_size)]
+        args += ["--num-pages", str(self.num_pages), "--seed", str(self.seed)]
+        if self.say is not None:
+            args += ["--say", self.say]
+        self._config = SandboxConfig(
+            cache_dir=self.cache_dir, memory_limit_bytes=self.memory_mib * MIB, wall_budget_s=self.timeout_s
+        )
+        self._sandbox = Sandbox(self._config).__enter__()
+        try:
+            self._engine = Engine.start("loopback", args, speculation_depth=self.speculation_depth)
+        except BaseException:
+            self._sandbox.__exit__(None, None, None)
+            raise
+        self._built: dict[str, Path] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def engine(self) -> Engine:
+        """The engine the runs use (pages free, speculation statistics, ...)."""
+        return self._engine
+
+    def build(self, inferlet: str | Path) -> Path:
+        """The built component of an inferlet folder (or a name under inferlets/, or a .wasm)."""
+        key = str(inferlet)
+        with self._lock:
+            if key not in self._built:
+                path = Path(inferlet)
+                self._built[key] = path if path.suffix == ".wasm" else build(key, self.cache_dir).wasm_path
+            return self._built[key]
+
+    def start(self, inferlet: str | Path, *args: str) -> LiveRun:
+        component = self._sandbox.load(self.build(inferlet))
+        io = BufferedRunIO()
+        handle = self._sandbox.start(component, self._engine, list(args), io=io)
+        return LiveRun(handle, io)
+
+    def run(self, inferlet: str | Path, *args: str, messages: Sequence[str] = ()) -> RunResult:
+        """Run to the end: `messages` are waiting for its `receive()`, then the inbox closes."""
+        live = self.start(inferlet, *args)
+        for message in messages:
+            live.send(message)
+        live.close()
+        return live.wait()
+
+    def close(self) -> None:
+        try:
+            self._engine.close()
+        finally:
+            self._sandbox.__exit__(None, None, None)
+
+    def __enter__(self) -> InferletRunner:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()

@@ -59,6 +59,10 @@ T = TypeVar("T")
 MULTI_STEP_BUDGET_S = 0.010
 
 
+# How often a run waiting for its pass is asked whether it may go on (cancel, the wall clock).
+_WAIT_SLICE_S = 0.1
+
+
 @dataclass(frozen=True, slots=True)
 class GrammarBudget:
     """The grammar compiler's budgets (host.grammar.GrammarCompiler): seconds a compile is waited
@@ -297,12 +301,21 @@ class Engine:
 
     # ------------------------------------------------------------------ Services: passes
 
-    def forward(self, run_id: int, context_id: int, request: PassRequest) -> PassResult:
+    def forward(
+        self, run_id: int, context_id: int, request: PassRequest, may_wait: Callable[[], None] | None = None
+    ) -> PassResult:
         future: concurrent.futures.Future[PassResult] = concurrent.futures.Future()
         with self._lock:
             served = self._submit(run_id, context_id, request, future)
         self._wake_loop()
-        return served if served is not None else future.result()
+        if served is not None:
+            return served
+        while may_wait is not None:
+            try:
+                return future.result(timeout=_WAIT_SLICE_S)
+            except concurrent.futures.TimeoutError:
+                may_wait()
+        return future.result()
 
     def generate(self, run_id: int, context_id: int, first: PassRequest, next_step: NextStep) -> None:
         chain = _Chain(self, run_id, context_id, next_step)

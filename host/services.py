@@ -99,9 +99,13 @@ class Services(Protocol):
         mask them out. Returns the number of pages released."""
         ...
 
-    def forward(self, run_id: int, context_id: int, request: PassRequest) -> PassResult:
+    def forward(
+        self, run_id: int, context_id: int, request: PassRequest, may_wait: Callable[[], None] | None = None
+    ) -> PassResult:
         """Queue the pass, block until its batch returns. Input tokens become part of the
-        context (its length grows by len(tokens))."""
+        context (its length grows by len(tokens)). `may_wait`, when given, is called while
+        waiting (every 0.1 s); what it raises ends the wait (the pass goes on and its result is
+        dropped with the context)."""
         ...
 
     def generate(self, run_id: int, context_id: int, first: PassRequest, next_step: NextStep) -> None:

@@ -271,7 +271,8 @@ def _run_pass_raw(run: RunState, builder: PassBuilder) -> list[OutputResult] | s
         return prepared
     started_s = time.perf_counter()
     try:
-        return run.services.forward(run.run_id, *prepared).outputs
+        # Waits in slices: cancel and the wall clock stop the run during a long pass too.
+        return run.services.forward(run.run_id, *prepared, may_wait=run.check_can_continue).outputs
     except HostError as exc:  # out of pages, driver errors: the guest decides
         return error_text(exc)
     finally:

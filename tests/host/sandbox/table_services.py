@@ -5,7 +5,7 @@ tests of inferlets use the real engine and the dummy driver (tests/e2e)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from bridge_schema.batch import OutputResult
 from host.errors import ContextNotFound, ContextNotOwned, InvalidRequest, OutOfPages
@@ -85,7 +85,9 @@ class TableServices:
             del self._contexts[context_id]
             self.num_released += 1
 
-    def forward(self, run_id: int, context_id: int, request: PassRequest) -> PassResult:
+    def forward(
+        self, run_id: int, context_id: int, request: PassRequest, may_wait: Callable[[], None] | None = None
+    ) -> PassResult:
         self.forward_started.set()
         if self._forward_delay_s:
             threading.Event().wait(self._forward_delay_s)

@@ -123,6 +123,18 @@ def rewrite_guest_paths(text: str, inferlet_dir: Path) -> str:
     return _GUEST_PATH.sub(local, text)
 
 
+# A host call made while the module is imported at build time (model_info(), tokenize(),
+# Context(), Grammar(...) at the top level): componentize-py aborts with a bare
+# "AssertionError: Caused by:" on screen, its backtrace ending "called trapping stub: IMPORT".
+_TRAPPING_STUB = re.compile(r"called trapping stub: (\S+)")
+_HOST_CALL_AT_IMPORT = (
+    "the module called the host ({call}) while it was being built: no host calls at import. The build runs "
+    "app.py once to snapshot it, with no host to call, so model_info(), tokenize(), Context(), "
+    "Grammar(...) and the like at the top level of a module (or in code that runs at import) fail; "
+    "call them in main() (or in a function main calls)"
+)
+
+
 def explain_failure(output: str, inferlet_dir: Path) -> str:
     """The useful part of a failed componentize-py run: "FILE:LINE: Error: message" for the
     inferlet's innermost frame, then the guest's traceback; else the tool's own last lines."""
@@ -134,6 +146,9 @@ def explain_failure(output: str, inferlet_dir: Path) -> str:
         error = next((line.strip() for line in lines[lines.index("Caused by:") + 1 :] if line.strip()), "")
     else:
         error = next((line for line in reversed(lines) if line and not line.startswith(" ")), "")
+    stub = _TRAPPING_STUB.search(output)
+    if stub is not None:  # the tool's own abort: no message, no guest frame, but the import's name
+        return _HOST_CALL_AT_IMPORT.format(call=stub.group(1).replace("@0.1.0", ""))
     if not guest_frames:
         tail = "\n".join(line for line in lines if line.strip() and not line.lstrip()[:1].isdigit())
         return "\n".join(tail.splitlines()[-15:]) or "componentize-py failed without a message"

@@ -100,3 +100,12 @@ def test_a_run_timed_out_in_receive_exits_1_every_time() -> None:
         )
         assert done.returncode == EXIT_FAILED and "wall-clock budget of 1 s exhausted" in done.stderr, done.stderr
         assert "cannot unwind" not in done.stderr
+
+
+def test_a_host_call_at_import_is_named_at_build(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """componentize-py's own words were a bare "AssertionError: Caused by:"."""
+    source = "from inferlet import emit, model_info\n\nINFO = model_info()\n\n\ndef main(args):\n    emit(INFO.name)\n"
+    folder = _write_inferlet(tmp_path / "calls_at_import", source)
+    assert main(["--cache-dir", str(tmp_path / "cache"), "build", str(folder)]) == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert "called the host (wafer:inferlet/model#info) while it was being built: no host calls at import" in err

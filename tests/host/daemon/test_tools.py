@@ -7,6 +7,8 @@ import json
 from typing import Any
 
 import jsonschema
+import openai
+import pytest
 
 from tests.host.daemon.conftest import Server
 
@@ -141,3 +143,12 @@ def test_a_forced_call_cut_by_max_tokens_is_still_a_call(server: Server) -> None
             name, arguments = message.tool_calls[0].function.name, message.tool_calls[0].function.arguments
         assert finish == "length" and name == "forecast"
         assert arguments.startswith("{") and 0 < len(arguments) <= 6, arguments  # JSON cut short
+
+
+def test_an_empty_tool_list_is_refused(server: Server) -> None:
+    """`tools: []` is a mistake rather than "no tools": a 400 naming the field."""
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client().chat.completions.create(model="dummy", messages=MESSAGES, tools=[], max_tokens=8)
+    assert info.value.status_code == 400 and "tools must name at least one function" in info.value.message
+    body = info.value.body if isinstance(info.value.body, dict) else {}
+    assert body.get("param") == "tools"

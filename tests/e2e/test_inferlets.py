@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from wasmtime.component import Component
 
@@ -100,8 +100,10 @@ class ForkWatcher:
     def release_context(self, run_id: int, context_id: int) -> None:
         self._engine.release_context(run_id, context_id)
 
-    def forward(self, run_id: int, context_id: int, request: PassRequest) -> PassResult:
-        return self._engine.forward(run_id, context_id, request)
+    def forward(
+        self, run_id: int, context_id: int, request: PassRequest, may_wait: Callable[[], None] | None = None
+    ) -> PassResult:
+        return self._engine.forward(run_id, context_id, request, may_wait)
 
     def generate(self, run_id: int, context_id: int, first: PassRequest, next_step: NextStep) -> None:
         generate_by_steps(self, run_id, context_id, first, next_step)

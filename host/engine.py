@@ -49,6 +49,7 @@ from host.services import ModelInfo, NextStep, PassRequest, PassResult, Tokenize
 from host.speculator import RequestShape
 from host.staging import Staging, Waiter, shape_of
 from host.tokenizer import tokenizer_from_handshake
+from host.waiting import result_in_slices
 
 if TYPE_CHECKING:
     from host.grammar import GrammarCompiler
@@ -57,10 +58,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 # A multi-step pass should hold the device about this long at most (see `max_decode_steps`).
 MULTI_STEP_BUDGET_S = 0.010
-
-
-# How often a run waiting for its pass is asked whether it may go on (cancel, the wall clock).
-_WAIT_SLICE_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,14 +305,7 @@ class Engine:
         with self._lock:
             served = self._submit(run_id, context_id, request, future)
         self._wake_loop()
-        if served is not None:
-            return served
-        while may_wait is not None:
-            try:
-                return future.result(timeout=_WAIT_SLICE_S)
-            except concurrent.futures.TimeoutError:
-                may_wait()
-        return future.result()
+        return served if served is not None else result_in_slices(future, may_wait)
 
     def generate(self, run_id: int, context_id: int, first: PassRequest, next_step: NextStep) -> None:
         chain = _Chain(self, run_id, context_id, next_step)

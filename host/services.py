@@ -128,6 +128,10 @@ class Services(Protocol):
         """The grammar compiler for this driver's tokenizer (built on first use, then shared)."""
         ...
 
+    def run_usage(self, run_id: int) -> tuple[int, int]:
+        """(contexts, distinct KV pages) the run holds now: what it left when it ends."""
+        ...
+
     def end_run(self, run_id: int) -> None: ...
 
 

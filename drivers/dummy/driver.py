@@ -72,6 +72,7 @@ class DummyDriver:
         self._adapters: set[int] = set()
         # With a script: per context, the script index sampled at each input position.
         self._said: dict[int, dict[int, int]] = {}
+        self._said_last: dict[int, int] = {}  # per context, the highest position in `_said`
         # With a pass latency: when the simulated device is free, and when the last reply is due.
         self._device_free_at = 0.0
         self.reply_at: float | None = None
@@ -139,14 +140,20 @@ class DummyDriver:
         script, words = self.config.script, logit_mask_words(self.config.vocab_size)
         out_ptr = f.out_indptr.tolist()
         for r in range(f.num_requests):
-            said = self._said.setdefault(int(f.context_ids[r]), {})
+            context = int(f.context_ids[r])
+            said = self._said.setdefault(context, {})
             first = int(f.token_indptr[r])
             for i in range(out_ptr[r], out_ptr[r + 1]):
                 position = int(f.positions[first + int(f.out_rows[i])])
-                if position not in said:
-                    earlier = [k for p, k in said.items() if p < position]
-                    said[position] = max(earlier) + 1 if earlier else 0
-                k = said[position]
+                k = said.get(position)
+                if k is None:  # one past the latest position before it: the last one, as a rule
+                    last = self._said_last.get(context, -1)
+                    if last < position:
+                        k = said[last] + 1 if last >= 0 else 0
+                        self._said_last[context] = position
+                    else:
+                        k = max((said[p] for p in said if p < position), default=-1) + 1
+                    said[position] = k
                 want = script[k] if k < len(script) else ENDOFTEXT
                 mask = int(f.logit_mask_index[i])
                 if mask >= 0:

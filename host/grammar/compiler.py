@@ -33,6 +33,7 @@ from host.grammar.grammar import KINDS, Grammar, GrammarKey, OptionItems
 from host.grammar.json_grammar import json_schema_grammar
 from host.grammar.tokenizer_info import TokenizerSpec, token_table, tokenizer_info
 from host.grammar.utf8_guard import Utf8Guard
+from host.waiting import result_in_slices
 
 Option = bool | str | int
 # Each kind's options and their defaults; anything else is refused, so a typo is not ignored.
@@ -89,7 +90,6 @@ MIB = 1024 * 1024
 # 67 KiB, largest 16 MiB.
 DEFAULT_MAX_GRAMMAR_MIB = 64
 DEFAULT_CACHE_MIB = 512
-_POLL_S = 0.1  # how often a waiting caller is asked whether it may go on waiting
 
 
 class GrammarCompiler:
@@ -193,7 +193,7 @@ class GrammarCompiler:
         may_wait: Callable[[], None] | None = None,
     ) -> Grammar:
         """Compile (or fetch from the cache) a grammar of `kind`; see OPTIONS for each kind's
-        options. `may_wait` is called while waiting (every 0.1 s); what it raises ends the wait
+        options. `may_wait` is called while waiting (host.waiting.SLICE_S); what it raises ends the wait
         (a run that was cancelled or ran out of time, say)."""
         key = GrammarKey(kind, text, _option_items(kind, options or {}))
         limit = MAX_GRAMMAR_CHARS.get(kind)
@@ -260,16 +260,10 @@ class GrammarCompiler:
         self, key: GrammarKey, future: concurrent.futures.Future[Grammar], may_wait: Callable[[], None] | None
     ) -> Grammar:
         budget = self.compile_budget_s
-        deadline = time.monotonic() + budget if budget > 0 else float("inf")
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise CompileBudgetExceeded(key.kind, budget)
-            try:
-                return future.result(timeout=min(left, _POLL_S))
-            except concurrent.futures.TimeoutError:
-                if may_wait is not None:
-                    may_wait()
+        try:
+            return result_in_slices(future, may_wait, budget if budget > 0 else None)
+        except concurrent.futures.TimeoutError:
+            raise CompileBudgetExceeded(key.kind, budget) from None
 
     def cache_len(self) -> int:
         with self._lock:
@@ -319,8 +313,6 @@ class GrammarCompiler:
         self, text: str, options: dict[str, Option]
     ) -> tuple[xgr.CompiledGrammar | llg_backend.CompiledLLG, tuple[str, ...]]:
         backend = str(options["backend"])
-        if backend not in BACKENDS:
-            raise InvalidJSONSchema(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
         strict, compact = bool(options["strict"]), bool(options["compact"])
         schema, features = _prepared(_parse_schema(text, InvalidJSONSchema), strict)
         if backend == "auto" and strict and _cheap(schema, features):
@@ -346,8 +338,6 @@ class GrammarCompiler:
     ) -> tuple[xgr.CompiledGrammar | llg_backend.CompiledLLG, tuple[str, ...]]:
         chosen = tool_call.select(tool_call.parse_tools(text), str(options["choice"]))
         strict, backend, choice = bool(options["strict"]), str(options["backend"]), str(options["choice"])
-        if backend not in BACKENDS:
-            raise InvalidToolCall(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
         prepared: list[tuple[tool_call.Tool, Any, tuple[str, ...]]] = []
         for tool in chosen:
             check_schema_size(tool.parameters, InvalidToolCall)
@@ -406,6 +396,8 @@ def _option_items(kind: str, options: Mapping[str, Option]) -> OptionItems:
     for name, value in merged.items():
         if type(value) is not type(defaults[name]):
             raise InvalidGrammar(kind, f"option {name!r} must be {type(defaults[name]).__name__}, got {value!r}")
+    if "backend" in merged and merged["backend"] not in BACKENDS:
+        raise _ERRORS[kind](f"unknown backend {merged['backend']!r}; expected one of {', '.join(BACKENDS)}")
     return tuple(sorted(merged.items()))
 
 

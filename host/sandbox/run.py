@@ -149,12 +149,10 @@ class Run:
     def _free_resources(self) -> int:
         """Release what the guest still holds; the engine's `end_run` then frees the rest."""
         state = self.state
-        usage = getattr(state.services, "run_usage", None)  # the engine's (tests' services lack it)
-        if usage is not None:
-            try:
-                self.held_contexts, self.held_pages = usage(state.run_id)
-            except HostError:
-                pass
+        try:
+            self.held_contexts, self.held_pages = state.services.run_usage(state.run_id)
+        except HostError:
+            pass
         leaked = state.resources.drain()
         for slot in leaked:
             if slot.kind is ResourceKind.CONTEXT:

@@ -114,6 +114,9 @@ class ForkWatcher:
     def load_adapter(self, run_id: int, name: str) -> int:
         return self._engine.load_adapter(run_id, name)
 
+    def run_usage(self, run_id: int) -> tuple[int, int]:
+        return self._engine.run_usage(run_id)
+
     def end_run(self, run_id: int) -> None:
         self._engine.end_run(run_id)
 

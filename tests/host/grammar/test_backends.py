@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from host.grammar import GrammarCompiler, UnsupportedSchema, allocate_bitmask
+from host.grammar import GrammarCompiler, InvalidJSONSchema, InvalidToolCall, UnsupportedSchema, allocate_bitmask
 from host.grammar.schema_support import exclusive_one_of_as_any_of
 
 from .conftest import BYTE_STOPS
@@ -188,3 +188,10 @@ def test_forced_and_required_tool_calls_go_to_llguidance_where_xgrammar_drops_ke
         byte_compiler.tool_call(tools, choice="auto", reject_unsupported=True)
     # Tools xgrammar enforces whole stay on xgrammar.
     assert byte_compiler.tool_call(tools[1:], choice="required").backend == "xgrammar"
+
+
+def test_an_unknown_backend_is_refused_naming_the_choices(byte_compiler: GrammarCompiler) -> None:
+    with pytest.raises(InvalidJSONSchema, match="unknown backend 'outlines'; expected one of auto, xgrammar"):
+        byte_compiler.json_schema(OBJECT, backend="outlines")
+    with pytest.raises(InvalidToolCall, match="unknown backend"):
+        byte_compiler.tool_call([{"name": "f", "parameters": OBJECT}], backend="outlines")

@@ -107,6 +107,10 @@ class TableServices:
     def load_adapter(self, run_id: int, name: str) -> int:
         raise InvalidRequest(f"no adapter named {name!r}")
 
+    def run_usage(self, run_id: int) -> tuple[int, int]:
+        with self._lock:  # no pages in a table
+            return sum(1 for r, _ in self._contexts.values() if r == run_id), 0
+
     def end_run(self, run_id: int) -> None:
         with self._lock:
             self.ended_runs.append(run_id)

@@ -11,7 +11,7 @@ did. The same API serves plain Python and pytest (the `inferlet_runner` fixture 
         result = live.wait()
         assert result.messages == ['{"answered": 1}'] and result.pages_held == 0
 
-A runner builds each inferlet once (cached by content, as `wafer build`), keeps one sandbox and
+A runner builds an inferlet when it starts it (cached by content, as `wafer build`), keeps one sandbox and
 one dummy driver (in-process, frames still encoded), and reports for each run its output, the
 messages it sent, its error, and what it still held when its main returned: contexts not
 released and the KV pages they held (forks' shared pages counted once).
@@ -19,12 +19,11 @@ released and the KV pages they held (forks' shared pages counted once).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from host.build import build
+from host.build import build, resolve_inferlet, rewrite_guest_paths
 from host.engine import Engine
 from host.sandbox import BufferedRunIO, RunHandle, RunStatus, Sandbox, SandboxConfig
 from host.sandbox.config import MIB, default_cache_dir
@@ -48,9 +47,10 @@ class RunResult:
 class LiveRun:
     """A started run: send it messages, close its inbox, wait for its result."""
 
-    def __init__(self, handle: RunHandle, io: BufferedRunIO) -> None:
+    def __init__(self, handle: RunHandle, io: BufferedRunIO, source_dir: Path | None) -> None:
         self._handle = handle
         self._io = io
+        self._source_dir = source_dir
 
     def send(self, message: str) -> None:
         """A message the run's `receive()` returns."""
@@ -75,11 +75,14 @@ class LiveRun:
 
     def wait(self) -> RunResult:
         outcome = self._handle.wait()
+        error = outcome.error
+        if error is not None and self._source_dir is not None:
+            error = rewrite_guest_paths(error, self._source_dir)  # tracebacks name your files
         return RunResult(
             outcome.status.value,
             outcome.output,
             list(self._io.sent),
-            outcome.error,
+            error,
             outcome.held_contexts,
             outcome.held_pages,
             outcome.run_id,
@@ -117,8 +120,6 @@ class InferletRunner:
         except BaseException:
             self._sandbox.__exit__(None, None, None)
             raise
-        self._built: dict[str, Path] = {}
-        self._lock = threading.Lock()
 
     @property
     def engine(self) -> Engine:
@@ -126,19 +127,17 @@ class InferletRunner:
         return self._engine
 
     def build(self, inferlet: str | Path) -> Path:
-        """The built component of an inferlet folder (or a name under inferlets/, or a .wasm)."""
-        key = str(inferlet)
-        with self._lock:
-            if key not in self._built:
-                path = Path(inferlet)
-                self._built[key] = path if path.suffix == ".wasm" else build(key, self.cache_dir).wasm_path
-            return self._built[key]
+        """The built component of an inferlet folder (or a name under inferlets/, or a .wasm):
+        built again if its sources changed (a fraction of a second on wafer's base)."""
+        path = Path(inferlet)
+        return path if path.suffix == ".wasm" else build(str(inferlet), self.cache_dir).wasm_path
 
     def start(self, inferlet: str | Path, *args: str) -> LiveRun:
-        component = self._sandbox.load(self.build(inferlet))
+        loaded = self._sandbox.load(self.build(inferlet))
         io = BufferedRunIO()
-        handle = self._sandbox.start(component, self._engine, list(args), io=io)
-        return LiveRun(handle, io)
+        handle = self._sandbox.start(loaded, self._engine, list(args), io=io)
+        source_dir = None if Path(inferlet).suffix == ".wasm" else resolve_inferlet(str(inferlet))
+        return LiveRun(handle, io, source_dir)
 
     def run(self, inferlet: str | Path, *args: str, messages: Sequence[str] = ()) -> RunResult:
         """Run to the end: `messages` are waiting for its `receive()`, then the inbox closes."""

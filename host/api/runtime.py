@@ -49,6 +49,11 @@ def log(run: RunState, level: str, message: str) -> None:
     run.io.log(run.run_id, level, message)
 
 
+@host_function
+def app_sources(run: RunState) -> list[tuple[str, str]]:
+    return list(run.app_files)
+
+
 def register(instance: LinkerInstance) -> None:
     instance.add_func("args", args)
     instance.add_func("run-id", run_id)
@@ -56,3 +61,4 @@ def register(instance: LinkerInstance) -> None:
     instance.add_func("send", send)
     instance.add_func("receive", receive)
     instance.add_func("log", log)
+    instance.add_func("app-sources", app_sources)

@@ -9,8 +9,6 @@ import logging
 import threading
 from collections.abc import Mapping
 
-from wasmtime.component import Component
-
 from host.build import BuildError, build
 from host.daemon.config import DaemonConfig
 from host.daemon.errors import DaemonError
@@ -20,7 +18,7 @@ from host.daemon.runs import RunRegistry
 from host.daemon.supervisor import DriverState, Supervisor
 from host.engine import Engine
 from host.errors import HostError
-from host.sandbox import Sandbox
+from host.sandbox import LoadedInferlet, Sandbox
 
 log = logging.getLogger("wafer.daemon")
 
@@ -51,7 +49,7 @@ class Daemon:
         self.supervisor = Supervisor(config)
         self._registry: RunRegistry | None = None
         self._store: InferletStore | None = None
-        self._chat: Component | None = None
+        self._chat: LoadedInferlet | None = None
         self._model_name = config.served_model_name
         self._lock = threading.Lock()
         self._register_metrics()
@@ -91,7 +89,7 @@ class Daemon:
         return self._store
 
     @property
-    def chat_component(self) -> Component:
+    def chat_component(self) -> LoadedInferlet:
         assert self._chat is not None, "the daemon is not started"
         return self._chat
 

@@ -14,10 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from wasmtime.component import Component
-
 from host.daemon.errors import InvalidRequest, NotFound
-from host.sandbox import ComponentLoadError, Sandbox
+from host.sandbox import ComponentLoadError, LoadedInferlet, Sandbox
 
 _ID = re.compile(r"^sha256:[0-9a-f]{64}$")
 
@@ -104,7 +102,7 @@ class InferletStore:
             self._grant(inferlet_id, owner, shared, is_new)
         return self._entry(inferlet_id, path), not was_visible
 
-    def load(self, inferlet_id: str, owner: str = "") -> Component:
+    def load(self, inferlet_id: str, owner: str = "") -> LoadedInferlet:
         path = self._existing(inferlet_id, owner)
         try:
             return self._sandbox.load(path)

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio.to_thread
-from wasmtime.component import Component
 
 from host.daemon.config import DaemonConfig
 from host.daemon.errors import DriverUnavailable, NotFound, PagesExhausted, TooManyRuns
@@ -25,7 +24,7 @@ from host.daemon.logs import request_id_var
 from host.daemon.run_log import RunLog
 from host.daemon.supervisor import Supervisor
 from host.engine import Engine
-from host.sandbox import RunHandle, RunOutcome, RunStatus, Sandbox
+from host.sandbox import LoadedInferlet, RunHandle, RunOutcome, RunStatus, Sandbox
 
 log = logging.getLogger("wafer.daemon.runs")
 
@@ -121,7 +120,7 @@ class RunRegistry:
 
     async def start(
         self,
-        component: Component,
+        inferlet_code: LoadedInferlet,
         inferlet: str,
         kind: str,
         engine_wait_s: float,
@@ -148,7 +147,7 @@ class RunRegistry:
                 args, prepared = prepare(engine)
                 run_log = RunLog(f"a {kind} run", loop, self._run_config.max_inbound_bytes)
                 handle = self._sandbox.start(
-                    component,
+                    inferlet_code,
                     engine,
                     list(args),
                     io=run_log,

@@ -6,6 +6,7 @@ it knows nothing of pages, batching or the bridge (host functions talk to `host.
 
 from __future__ import annotations
 
+from host.sandbox.compile_cache import LoadedInferlet
 from host.sandbox.config import SandboxConfig
 from host.sandbox.errors import ComponentLoadError, SandboxError
 from host.sandbox.outcome import RunOutcome, RunStatus
@@ -15,6 +16,7 @@ from host.sandbox.sandbox import RunHandle, Sandbox
 __all__ = [
     "BufferedRunIO",
     "ComponentLoadError",
+    "LoadedInferlet",
     "RunHandle",
     "RunIO",
     "RunOutcome",

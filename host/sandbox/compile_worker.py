@@ -63,10 +63,15 @@ def main(argv: list[str]) -> int:
         import wasmtime
         from wasmtime.component import Component
 
+        from host.app_bundle import BundleError, split_sources
         from host.sandbox.engine import new_engine
 
         try:
-            component = Component.from_file(new_engine(), str(wasm_path))
+            component_bytes, _ = split_sources(wasm_path.read_bytes())  # the sources are not compiled
+            component = Component(new_engine(), component_bytes)
+        except BundleError as exc:
+            print(_ERROR + str(exc)[:500], file=sys.stderr)
+            return EXIT_INVALID
         except wasmtime.WasmtimeError as exc:
             text = " ".join(str(exc).split())
             print(_ERROR + text[:500], file=sys.stderr)

@@ -29,6 +29,8 @@ class RunState:
     io: RunIO
     config: SandboxConfig
     started_at_s: float
+    # The inferlet's own sources, for a component on wafer's base (`runtime.app-sources`).
+    app_files: tuple[tuple[str, str], ...] = ()
     cancel_requested: threading.Event = field(default_factory=threading.Event)
     resources: ResourceTable = field(default_factory=ResourceTable)
     store: wasmtime.Store | None = None

@@ -9,11 +9,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from wasmtime.component import Component
-
 from host.errors import HostError
 from host.sandbox import wasmtime_threads
-from host.sandbox.compile_cache import CompileCache
+from host.sandbox.compile_cache import CompileCache, LoadedInferlet
 from host.sandbox.config import SandboxConfig
 from host.sandbox.engine import EpochTicker, new_engine
 from host.sandbox.linker import new_linker
@@ -98,14 +96,14 @@ class Sandbox:
     def __exit__(self, *_exc: object) -> None:
         self.close()
 
-    def load(self, wasm_path: Path, progress: Callable[[str], None] | None = None) -> Component:
+    def load(self, wasm_path: Path, progress: Callable[[str], None] | None = None) -> LoadedInferlet:
         """Compile (or fetch from the cache) the component at `wasm_path`; `progress` hears of a
-        compile (it takes seconds: once per build and machine) when it starts and ends."""
+        compile (it takes seconds: once per component and machine) when it starts and ends."""
         return self._cache.load(wasm_path, progress)
 
     def start(
         self,
-        component: Component,
+        inferlet: LoadedInferlet,
         services: Services,
         args: Sequence[str] = (),
         io: RunIO | None = None,
@@ -121,8 +119,9 @@ class Sandbox:
             io=io if io is not None else BufferedRunIO(),
             config=config if config is not None else self.config,
             started_at_s=time.monotonic(),
+            app_files=inferlet.app.files if inferlet.app is not None else (),
         )
-        run = Run(state, self._engine, self._linker, component)
+        run = Run(state, self._engine, self._linker, inferlet.component)
         if on_run_id is not None:
             on_run_id(state.run_id)
         run.start()
@@ -130,11 +129,11 @@ class Sandbox:
 
     def run(
         self,
-        component: Component,
+        inferlet: LoadedInferlet,
         services: Services,
         args: Sequence[str] = (),
         io: RunIO | None = None,
         config: SandboxConfig | None = None,
     ) -> RunOutcome:
         """Start a run and wait for its outcome."""
-        return self.start(component, services, args, io, config).wait()
+        return self.start(inferlet, services, args, io, config).wait()

@@ -25,15 +25,26 @@ def test_build_reports_a_syntax_error_with_file_and_line(tmp_path: Path, capsys:
     assert "SyntaxError" in err
 
 
-def test_build_reports_an_import_time_error_with_file_and_line(
+def test_an_import_time_error_is_reported_with_file_and_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """On wafer's base the inferlet's modules are imported when the run starts: the run reports
+    the error with the inferlet's own file and line. A snapshot build imports them at build time
+    and reports it there, building nothing."""
     source = "from inferlet import emit\n\n\nvalue = undefined_name + 1\n\n\ndef main(args):\n    pass\n"
     folder = _write_inferlet(tmp_path / "broken_import", source)
-    assert main(["--cache-dir", str(tmp_path / "cache"), "build", str(folder)]) == EXIT_FAILED
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    assert main([*cache, "build", "--no-compile", str(folder)]) == EXIT_OK
+    capsys.readouterr()
+    assert main([*cache, "run", str(folder), "--no-stdin"]) == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert f'File "{folder / "app.py"}", line 4, in <module>' in err
+    assert "NameError: name 'undefined_name' is not defined" in err
+    on_base = set((tmp_path / "cache" / "build").glob("*.wasm"))
+    assert main([*cache, "build", "--snapshot", str(folder)]) == EXIT_FAILED
     err = capsys.readouterr().err
     assert f"{folder / 'app.py'}:4: NameError: name 'undefined_name' is not defined" in err
-    assert not list((tmp_path / "cache" / "build").glob("*.wasm"))
+    assert set((tmp_path / "cache" / "build").glob("*.wasm")) == on_base  # the failed build left nothing
 
 
 def test_build_without_an_app_module_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -102,10 +113,16 @@ def test_a_run_timed_out_in_receive_exits_1_every_time() -> None:
         assert "cannot unwind" not in done.stderr
 
 
-def test_a_host_call_at_import_is_named_at_build(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """componentize-py's own words were a bare "AssertionError: Caused by:"."""
+def test_a_host_call_at_import_works_on_the_base_and_is_named_in_a_snapshot_build(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On the base, the module is imported in the run, where the host answers. In a snapshot
+    build componentize-py's own words were a bare "AssertionError: Caused by:"."""
     source = "from inferlet import emit, model_info\n\nINFO = model_info()\n\n\ndef main(args):\n    emit(INFO.name)\n"
     folder = _write_inferlet(tmp_path / "calls_at_import", source)
-    assert main(["--cache-dir", str(tmp_path / "cache"), "build", str(folder)]) == EXIT_FAILED
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    assert main([*cache, "run", str(folder), "--no-stdin"]) == EXIT_OK
+    assert capsys.readouterr().out == "dummy\n"
+    assert main([*cache, "build", "--snapshot", str(folder)]) == EXIT_FAILED
     err = capsys.readouterr().err
     assert "called the host (wafer:inferlet/model#info) while it was being built: no host calls at import" in err

@@ -9,8 +9,9 @@ and drive generation with `Context`.
         for text in ctx.generate_text(max_tokens=16):
             emit(text)
 
-Import everything at module top level: the build snapshots the interpreter after importing your
-module, and modules first imported at run time may not exist.
+Your modules are imported when a run starts; they may import each other, the SDK and the
+standard modules in wafer's base (docs/writing-inferlets.md says which; `wafer build` makes a
+snapshot build for an inferlet that needs others).
 """
 
 from inferlet.adapter import Adapter, AdapterError

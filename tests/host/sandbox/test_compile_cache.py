@@ -1,5 +1,6 @@
-"""`CompileCache`: a compile never holds up loads of other components, two loads of one file
-compile it once, and the components kept in memory are bounded (least recently used dropped)."""
+"""`CompileCache`: a compile never holds up loads of other components, two loads of one
+component compile it once, inferlets on wafer's base share one compiled component, and the
+components kept in memory are bounded (least recently used dropped)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import pytest
 from wasmtime.component import Component
 
 from host.build import build
-from host.sandbox.compile_cache import CompileCache
+from host.sandbox.compile_cache import CompileCache, LoadedInferlet
 from host.sandbox.config import MIB
 from host.sandbox.engine import new_engine
 from host.sandbox.errors import ComponentLoadError
 
 HERE = Path(__file__).parent
+REPO = HERE.parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -24,38 +26,44 @@ def wasm(cache_dir: Path) -> Path:
     return build(str(HERE / "inferlets" / "misbehave"), cache_dir).wasm_path
 
 
-def _copies(wasm: Path, tmp_path: Path, n: int) -> list[Path]:
-    """n files of the same component (distinct identities; the compiled copy is shared)."""
-    paths = []
-    for i in range(n):
-        paths.append(tmp_path / f"c{i}.wasm")
-        shutil.copyfile(wasm, paths[-1])
-    return paths
+def _variant(wasm: Path, tmp_path: Path, tag: str) -> Path:
+    """The component with a custom section of its own: another component to the cache (its
+    bytes differ), which runs exactly like the original."""
+    name = b"test-pad"
+    body = bytes([len(name)]) + name + tag.encode()
+    assert len(body) < 128  # one-byte LEB128 size
+    path = tmp_path / f"{tag}.wasm"
+    path.write_bytes(wasm.read_bytes() + bytes([0, len(body)]) + body)
+    return path
+
+
+@pytest.fixture(scope="module")
+def variant(wasm: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _variant(wasm, tmp_path_factory.mktemp("variant"), "v1")
 
 
 def test_a_slow_compile_does_not_hold_up_other_loads(
-    wasm: Path, tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+    wasm: Path, variant: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cache = CompileCache(new_engine(), cache_dir / "compiled")
-    loaded, slow = _copies(wasm, tmp_path, 2)
-    cache.load(loaded)
+    cache.load(wasm)
     inner = cache._load_uncached
     release, in_compile = threading.Event(), threading.Event()
 
-    def held(path: Path, progress: object = None) -> tuple[Component, int]:
-        if path == slow:
+    def held(key: str, path: Path, data: bytes, progress: object = None) -> tuple[Component, int]:
+        if path == variant:
             in_compile.set()
             assert release.wait(60), "never released"
-        return inner(path, None)
+        return inner(key, path, data, None)
 
     monkeypatch.setattr(cache, "_load_uncached", held)
-    results: list[Component] = []
-    compiling = threading.Thread(target=lambda: results.append(cache.load(slow)))
+    results: list[LoadedInferlet] = []
+    compiling = threading.Thread(target=lambda: results.append(cache.load(variant)))
     compiling.start()
     assert in_compile.wait(60)
-    # While `slow` compiles, a component already loaded comes back at once (under the old
+    # While `variant` compiles, a component already loaded comes back at once (under the old
     # cache-wide lock this waited for the compile, and this thread would block until release).
-    other = threading.Thread(target=lambda: results.append(cache.load(loaded)))
+    other = threading.Thread(target=lambda: results.append(cache.load(wasm)))
     other.start()
     other.join(30)
     assert not other.is_alive() and len(results) == 1
@@ -64,38 +72,56 @@ def test_a_slow_compile_does_not_hold_up_other_loads(
     assert len(results) == 2 and cache.num_loaded == 2
 
 
-def test_loads_of_one_file_compile_it_once(
+def test_loads_of_one_component_compile_it_once(
     wasm: Path, tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cache = CompileCache(new_engine(), cache_dir / "compiled")
-    (path,) = _copies(wasm, tmp_path, 1)
+    copies = [tmp_path / f"copy{i}.wasm" for i in range(4)]  # four files, one component
+    for path in copies:
+        shutil.copyfile(wasm, path)
     inner, calls = cache._load_uncached, []
 
-    def counted(p: Path, progress: object = None) -> tuple[Component, int]:
+    def counted(key: str, p: Path, data: bytes, progress: object = None) -> tuple[Component, int]:
         calls.append(p)
-        return inner(p, None)
+        return inner(key, p, data, None)
 
     monkeypatch.setattr(cache, "_load_uncached", counted)
-    got: list[Component] = []
-    threads = [threading.Thread(target=lambda: got.append(cache.load(path))) for _ in range(4)]
+    got: list[LoadedInferlet] = []
+    threads = [threading.Thread(target=lambda p=p: got.append(cache.load(p))) for p in copies]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    assert len(calls) == 1 and len(got) == 4 and all(c is got[0] for c in got)
+    assert len(calls) == 1 and len(got) == 4 and all(c.component is got[0].component for c in got)
+    assert cache.num_loaded == 1
 
 
-def test_loaded_components_are_bounded(wasm: Path, tmp_path: Path, cache_dir: Path) -> None:
-    compiled = CompileCache(new_engine(), cache_dir / "compiled").compiled_path(wasm).stat().st_size
-    cache = CompileCache(new_engine(), cache_dir / "compiled", max_loaded_bytes=2 * compiled)
-    paths = _copies(wasm, tmp_path, 3)
-    first = cache.load(paths[0])
-    cache.load(paths[1])
-    assert cache.load(paths[0]) is first  # still loaded, and now the most recently used
-    cache.load(paths[2])  # past the bound: paths[1] (least recently used) is dropped
+def test_inferlets_on_the_base_share_one_compiled_component(cache_dir: Path) -> None:
+    hello, text = (build(name, cache_dir) for name in ("hello", "text_completion"))
+    assert hello.kind == text.kind == "base"
+    cache = CompileCache(new_engine(), cache_dir / "compiled")
+    first, second = cache.load(hello.wasm_path), cache.load(text.wasm_path)
+    assert first.component is second.component and cache.num_loaded == 1
+    assert first.app is not None and second.app is not None
+    assert dict(first.app.files)["app.py"] == (REPO / "inferlets" / "hello" / "app.py").read_text()
+    assert dict(second.app.files)["app.py"] == (REPO / "inferlets" / "text_completion" / "app.py").read_text()
+    assert cache.compiled_path(hello.wasm_path) == cache.compiled_path(text.wasm_path)
+
+
+def test_loaded_components_are_bounded(wasm: Path, variant: Path, tmp_path: Path, cache_dir: Path) -> None:
+    on_base = build("hello", cache_dir).wasm_path
+    warm = CompileCache(new_engine(), cache_dir / "compiled")
+    for path in (wasm, variant, on_base):
+        warm.load(path)  # compiled on disk, so the sizes are known
+    sizes = {path: warm.compiled_path(path).stat().st_size for path in (wasm, variant, on_base)}
+    cache = CompileCache(new_engine(), cache_dir / "compiled", max_loaded_bytes=sizes[wasm] + sizes[on_base])
+    first = cache.load(wasm)
+    cache.load(variant)
+    assert cache.load(wasm).component is first.component  # still loaded, and now the most recently used
+    cache.load(on_base)  # past the bound: `variant` (least recently used) is dropped
     assert cache.num_loaded == 2
-    assert cache.load(paths[0]) is first
-    assert cache.load(paths[1]) is not None  # loads again from the compiled file
+    assert cache.load(wasm).component is first.component
+    assert cache.load(variant) is not None  # loads again from the compiled file
 
 
 def _rss_mib() -> float:

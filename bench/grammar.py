@@ -228,7 +228,8 @@ def bench_decode(batches: list[int], tokens: int, repeat: int) -> list[dict[str,
     options = {"strict": False, "reject_unsupported": True, "max_length_limit": 2**31 - 1}
     grammar = {"kind": "json-schema", "text": json.dumps(DECODE_SCHEMA), "options": options}
     sides = {"unconstrained": base, "json_schema": {**base, "grammar": grammar}}
-    wasm = build("chat", default_cache_dir(), lambda msg: print(f"  chat inferlet: {msg}", file=sys.stderr)).wasm_path
+    say = lambda msg: print(f"  chat inferlet: {msg}", file=sys.stderr)  # noqa: E731
+    wasm = build("chat", default_cache_dir(), say, snapshot=True).wasm_path
     results: dict[tuple[str, int], list[float]] = {}
     print("  decode: starting the torch driver (SmolLM2) ...", file=sys.stderr, flush=True)
     with (

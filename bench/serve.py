@@ -138,7 +138,7 @@ def chat_request(question: str, tokens: int) -> dict[str, Any]:
 
 
 def in_process(driver: str, driver_args: list[str], streams: int, tokens: int, model: str) -> dict[str, float]:
-    wasm = build("chat", default_cache_dir()).wasm_path
+    wasm = build("chat", default_cache_dir(), snapshot=True).wasm_path
     request = chat_request(QUESTION, tokens)
     with (
         Sandbox(SandboxConfig(cache_dir=default_cache_dir())) as sandbox,

@@ -230,7 +230,7 @@ class Engine:
             self._check_idle(run_id, context_id, "fork")
             # A fork shares its parent's pages; it is charged them all (its own from the first
             # write on), and the copy of the partial page.
-            self._check_page_quota(run_id, context_id, 0, extra_pages=len(self._pages.pages(context_id)) + 1)
+            self._check_page_quota(run_id, context_id, 0, extra_pages=len(self._pages.held(context_id)) + 1)
             child = next(self._context_ids)
             # The partial page's Copy goes out before the next pass (the loop sends copies first).
             self._pending_copies += self._pages.fork(context_id, child)
@@ -253,7 +253,7 @@ class Engine:
             return
         held: dict[int, int] = {}
         for c, r in self._owner.items():
-            held[r] = held.get(r, 0) + len(self._pages.pages(c))
+            held[r] = held.get(r, 0) + len(self._pages.held(c))
         self._quota.check(run_id, needed, held)
 
     def set_run_group(self, run_id: int, group: str) -> None:
@@ -266,6 +266,11 @@ class Engine:
         with self._lock:
             self._check_owner(run_id, context_id)
             return self._pages.length(context_id)
+
+    def context_num_pages(self, run_id: int, context_id: int) -> int:
+        with self._lock:
+            self._check_owner(run_id, context_id)
+            return len(self._pages.held(context_id))
 
     def truncate_context(self, run_id: int, context_id: int, length: int) -> None:
         with self._lock:
@@ -486,7 +491,7 @@ class Engine:
         """(contexts, distinct KV pages) the run holds now (for tests and the harness)."""
         with self._lock:
             contexts = [c for c, r in self._owner.items() if r == run_id]
-            return len(contexts), len({p for c in contexts for p in self._pages.pages(c)})
+            return len(contexts), len({p for c in contexts for p in self._pages.held(c)})
 
     def context_pages(self, context_id: int) -> tuple[int, ...]:
         with self._lock:

@@ -77,7 +77,12 @@ class PageTable:
         return self._get(context_id).length
 
     def pages(self, context_id: int) -> tuple[int, ...]:
+        """The context's page per page-sized run of slots; HOLE where it released one."""
         return tuple(self._get(context_id).pages)
+
+    def held(self, context_id: int) -> tuple[int, ...]:
+        """The pages the context holds: `pages` without the holes."""
+        return tuple(p for p in self._get(context_id).pages if p != HOLE)
 
     def context_ids(self) -> list[int]:
         return list(self._contexts)

@@ -94,12 +94,15 @@ class InferletRunner:
     """`say`: the text the dummy "model" says in every context (its UTF-8 bytes, one sampled
     token each, then the end-of-text token; a grammar's or mask's refusal of the next byte falls
     back to a draw within it), or None for random tokens. The other knobs are the dummy driver's
-    (vocab_size at least 260: 256 bytes and 4 special tokens) and the run's limits."""
+    (vocab_size at least 260: 256 bytes and 4 special tokens; max_context, the positions a
+    context may use; pass_latency_ms, a simulated device time per pass) and the run's limits."""
 
     say: str | None = None
     vocab_size: int = 260
     page_size: int = 16
     num_pages: int = 4096
+    max_context: int = 32768
+    pass_latency_ms: float = 0.0
     seed: int = 0
     speculation_depth: int = 1
     memory_mib: int = 256
@@ -108,7 +111,8 @@ class InferletRunner:
 
     def __post_init__(self) -> None:
         args = ["--vocab-size", str(self.vocab_size), "--page-size", str(self.page_size)]
-        args += ["--num-pages", str(self.num_pages), "--seed", str(self.seed)]
+        args += ["--num-pages", str(self.num_pages), "--seed", str(self.seed), "--max-context", str(self.max_context)]
+        args += ["--pass-latency-ms", str(self.pass_latency_ms)]
         if self.say is not None:
             args += ["--say", self.say]
         self._config = SandboxConfig(

@@ -69,6 +69,16 @@ def release_pages(run: RunState, handle: ResourceAny, start: int, stop: int) -> 
         return error_text(exc)
 
 
+@host_function
+def num_pages(run: RunState, handle: ResourceAny) -> int:
+    return run.services.context_num_pages(run.run_id, context_id(run, handle))
+
+
+@host_function
+def pages_in_use(run: RunState) -> int:
+    return run.services.run_usage(run.run_id)[1]
+
+
 def release(run: RunState, rep: int) -> None:
     """Free one context the guest dropped (or leaked, at run end)."""
     ctx_id = run.resources.remove(KIND, rep)
@@ -93,3 +103,5 @@ def register(instance: LinkerInstance) -> None:
     instance.add_func("[method]context.len", length)
     instance.add_func("[method]context.truncate", truncate)
     instance.add_func("[method]context.release-pages", release_pages)
+    instance.add_func("[method]context.num-pages", num_pages)
+    instance.add_func("pages-in-use", pages_in_use)

@@ -1,12 +1,14 @@
-"""parallel_generation: one prompt, N branches forked from it, decoded together.
+"""parallel_generation: one prompt, N branches forked from it, decoded together; best-of-n.
 
 The prompt is computed once; each fork shares its full KV pages (only the partial last page is
-copied), and every decode step runs all live branches in the same device pass.
+copied), and every decode step runs all live branches in the same device pass, each with its
+own sampler (branch i seeded seed + i). Each branch is scored by the sum of its tokens' logprobs;
+`--best` emits only the best branch.
 """
 
 import json
 
-from inferlet import ArgumentParser, Context, Random, TextDecoder, decode_steps, emit, model_info, send
+from inferlet import ArgumentParser, Context, Random, TextDecoder, decode_steps_with_logprobs, emit, model_info, send
 
 
 def _parser() -> ArgumentParser:
@@ -16,10 +18,12 @@ def _parser() -> ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=-1, help="branch i samples with seed + i")
+    parser.add_argument("--best", action="store_true", help="emit only the branch with the highest logprob")
+    parser.add_argument("--ignore-eos", action="store_true", help="decode --max-tokens tokens in every branch")
     return parser
 
 
-# Built at import: the build's snapshot holds it, and a run only parses.
+# Built at import, beside main (a snapshot build does it once, at build time).
 PARSER = _parser()
 
 
@@ -32,30 +36,30 @@ def parse(args: list[str]):
 
 def main(args: list[str]) -> None:
     opts = parse(args)
-    stop = set(model_info().stop_tokens)
+    stop = set() if opts.ignore_eos else set(model_info().stop_tokens)
     root = Context()
     root.fill(opts.prompt)
     branches = [root.fork() for _ in range(opts.branches)]
     root.release()  # the branches keep the shared prompt pages alive
     samplers = [Random(opts.temperature, seed=-1 if opts.seed < 0 else opts.seed + i) for i in range(opts.branches)]
     texts = [""] * opts.branches
+    scores = [0.0] * opts.branches
     decoders = [TextDecoder() for _ in branches]
     live = list(range(opts.branches))
     for _ in range(opts.max_tokens):
         if not live:
             break
-        # One sampler per call: branches with different seeds go in separate groups.
-        groups: dict = {}
-        for i in live:
-            groups.setdefault(samplers[i], []).append(i)
-        for sampler, members in groups.items():
-            tokens = decode_steps([branches[i] for i in members], sampler)
-            for i, token in zip(members, tokens, strict=True):
-                if token in stop:
-                    live.remove(i)
-                else:
-                    texts[i] += decoders[i].push(token)
+        # One pass for every live branch, each with its own sampler.
+        choices = decode_steps_with_logprobs([branches[i] for i in live], [samplers[i] for i in live])
+        for i, choice in zip(list(live), choices, strict=True):
+            scores[i] += choice.logprob
+            if choice.token in stop:
+                live.remove(i)
+            else:
+                texts[i] += decoders[i].push(choice.token)
+    best = max(range(opts.branches), key=lambda i: scores[i])
     for i, text in enumerate(texts):
-        emit(f"[{i}] {text}\n")
+        if not opts.best or i == best:
+            emit(f"[{i}] {text}\n")
         branches[i].release()
-    send(json.dumps({"branches": texts}))
+    send(json.dumps({"branches": texts, "logprobs": [round(s, 4) for s in scores], "best": best}))

@@ -45,7 +45,7 @@ def _parser() -> ArgumentParser:
     return parser
 
 
-# Built at import: the build's snapshot holds it, and a run only parses.
+# Built at import, beside main (a snapshot build does it once, at build time).
 PARSER = _parser()
 
 

@@ -22,7 +22,7 @@ def _parser() -> ArgumentParser:
     return parser
 
 
-# Built at import: the build's snapshot holds it, and a run only parses (1.4 ms less a run).
+# Built at import, beside main (a snapshot build does it once, at build time: 1.4 ms less a run).
 PARSER = _parser()
 
 

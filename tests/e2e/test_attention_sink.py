@@ -60,3 +60,28 @@ def test_a_pass_that_would_read_a_released_page_is_refused(small_engine: Engine)
     assert e.context_length(run, ctx) == 21
     e.end_run(run)
     assert e.num_free_pages == NUM_PAGES
+
+
+def test_released_pages_no_longer_count_as_held(small_engine: Engine) -> None:
+    e, run = small_engine, next(_runs)
+    ctx = e.create_context(run)
+    e.forward(run, ctx, PassRequest(tokens=list(range(20)), outputs=[OutputSpec(19)], attention_window=8))
+    assert e.context_num_pages(run, ctx) == 5 and e.run_usage(run) == (1, 5)
+    assert e.release_slots(run, ctx, 4, 12) == 2
+    assert e.context_num_pages(run, ctx) == 3 and e.run_usage(run) == (1, 3)
+    e.end_run(run)
+
+
+def test_a_run_that_releases_pages_grows_within_its_quota() -> None:
+    """The page quota counts what a run holds: released pages are given back, so a sinks +
+    window run stays inside its share however long it decodes."""
+    args = ["--page-size", str(PAGE), "--num-pages", str(NUM_PAGES)]
+    with Engine.start("dummy", args, speculation_depth=0, max_run_page_fraction=0.5) as e:  # 6 pages a run
+        run = next(_runs)
+        ctx = e.create_context(run)
+        window = {"attention_window": 8, "attention_sinks": 4}
+        e.forward(run, ctx, PassRequest(tokens=list(range(20)), outputs=[OutputSpec(19)], **window))  # 5 pages
+        assert e.release_slots(run, ctx, 4, 12) == 2  # 3 held
+        e.forward(run, ctx, PassRequest(tokens=list(range(8)), outputs=[OutputSpec(7)], **window))  # +2: 5 held
+        assert e.context_num_pages(run, ctx) == 5
+        e.end_run(run)

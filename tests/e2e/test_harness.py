@@ -5,6 +5,7 @@ ways, and what a run still held when it ended."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -46,8 +47,33 @@ def test_forked_branches_each_say_the_script_and_free_their_pages(inferlet_runne
     result = inferlet_runner.run("parallel_generation", "--prompt", "x" * 40, "--branches", "3")
     assert result.ok, result.error
     assert result.output == "[0] ab\n[1] ab\n[2] ab\n"
-    assert json.loads(result.messages[-1]) == {"branches": ["ab", "ab", "ab"]}
+    message = json.loads(result.messages[-1])
+    assert message["branches"] == ["ab", "ab", "ab"]
+    # Each sampled token's logprob under the dummy's uniform 260 tokens: "a", "b", end of text.
+    assert message["logprobs"] == [round(-3 * math.log(260), 4)] * 3
     assert result.pages_held == 0 and inferlet_runner.engine.num_free_pages == free
+
+
+@pytest.mark.dummy(speculation_depth=0, pass_latency_ms=20)
+def test_best_of_n_branches_each_sample_with_their_own_seed_and_share_passes(
+    inferlet_runner: InferletRunner,
+) -> None:
+    """decode_steps_with_logprobs with a sampler per context: branch i of a run seeded 7 draws
+    exactly as branch i-1 of a run seeded 8 (same seed, same positions), and the branches of a
+    step share passes: the first branch's pass goes out at once, the other two join the next
+    (the grouped-by-sampler loop it replaced waited for each branch: 1 + 3 * 5 passes)."""
+    prompt = ("--prompt", "x" * 20, "--branches", "3", "--max-tokens", "5", "--ignore-eos")
+    forwards = int(inferlet_runner.engine.driver_health()["forwards"])
+    seven = inferlet_runner.run("parallel_generation", *prompt, "--seed", "7")
+    assert seven.ok, seven.error
+    passes = int(inferlet_runner.engine.driver_health()["forwards"]) - forwards
+    assert passes <= 1 + 2 * 5  # the shared prompt, then at most two passes a step
+    eight = inferlet_runner.run("parallel_generation", *prompt, "--seed", "8")
+    a, b = json.loads(seven.messages[-1]), json.loads(eight.messages[-1])
+    assert a["branches"][1:] == b["branches"][:2] and a["logprobs"][1:] == b["logprobs"][:2]
+    assert a["branches"][0] != b["branches"][0]
+    best = inferlet_runner.run("parallel_generation", *prompt, "--seed", "7", "--best")
+    assert best.output == f"[{a['best']}] {a['branches'][a['best']]}\n"
 
 
 def test_messages_both_ways(inferlet_runner: InferletRunner) -> None:
@@ -79,3 +105,15 @@ def test_a_failing_run_reports_its_error(inferlet_runner: InferletRunner) -> Non
 def test_the_runner_works_without_pytest() -> None:
     with InferletRunner(say="ok", seed=3) as runner:
         assert runner.run("text_completion", "--prompt", "?", "--max-tokens", "8").output == "ok"
+
+
+@pytest.mark.dummy(page_size=16, max_context=64)
+def test_a_context_sees_its_pages_and_the_context_length(inferlet_runner: InferletRunner) -> None:
+    result = inferlet_runner.run(HERE / "inferlets" / "limits", "40")
+    assert result.ok, result.error
+    report = json.loads(result.messages[-1])
+    # 39 tokens in the KV: 3 pages; the fork shares the 2 full ones and copies the partial one.
+    assert report["pages"] == 3 and report["child_pages"] == 3 and report["in_use"] == 4
+    assert report["room"] == 64 - 40
+    assert report["generated"] == 25 and report["room_after"] == 0  # 64 positions used, one token pending
+    assert "the context is full: 65 tokens, past the model's context length of 64" in result.output

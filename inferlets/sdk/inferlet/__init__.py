@@ -23,7 +23,9 @@ from inferlet.context import (
     InferenceError,
     TokenChoice,
     decode_steps,
+    decode_steps_with_logprobs,
     execute_together,
+    pages_in_use,
     top_k_all,
 )
 from inferlet.errors import InferletError
@@ -55,11 +57,13 @@ __all__ = [
     "Window",
     "args",
     "decode_steps",
+    "decode_steps_with_logprobs",
     "detokenize",
     "emit",
     "execute_together",
     "log",
     "model_info",
+    "pages_in_use",
     "receive",
     "render_chat",
     "run_id",

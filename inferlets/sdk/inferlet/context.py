@@ -18,7 +18,7 @@ from inferlet.adapter import Adapter
 from inferlet.attention import LogitMask, Window
 from inferlet.grammar import Grammar, Matcher
 from inferlet.model import model_info, tokenize
-from inferlet.sampling import Greedy, Sampler
+from inferlet.sampling import Greedy, Random, Sampler
 from inferlet.text import TextDecoder
 
 _NO_PROBE = _inf.Probe(0)
@@ -86,6 +86,27 @@ class Context:
 
     def __len__(self) -> int:
         return len(self._tokens)
+
+    @property
+    def num_pages(self) -> int:
+        """KV pages this context holds on the host now (a page shared with a fork counts here
+        too; released slots do not). `pages_in_use()` counts the whole run's, shared ones once."""
+        return int(self._live().num_pages())
+
+    @property
+    def room(self) -> int:
+        """How many more tokens fit before the model's context length (`max_context`): a pass
+        runs only while the context holds at most that many. Positions count from the
+        context's start: a `Window` or released slots do not make room."""
+        return max(0, model_info().max_context - len(self._tokens))
+
+    def _check_fits(self) -> None:
+        if len(self._tokens) > model_info().max_context:
+            raise InferenceError(
+                f"the context is full: {len(self._tokens)} tokens, past the model's context length of "
+                f"{model_info().max_context} (model_info().max_context; a Window or released slots do not make "
+                "room, as positions count from the start): truncate() it, or continue in a new context"
+            )
 
     def __enter__(self) -> Context:
         return self
@@ -164,6 +185,7 @@ class Context:
         outputs: Iterable[tuple[int, Sampler, _inf.Probe, int]],
         attention_rows: Sequence[Sequence[int]] | None = None,
     ) -> list[_inf.Output]:
+        self._check_fits()
         with _inf.ForwardPass(self._live()) as fp:
             fp.input_tokens(tokens)
             self._constrain(fp)
@@ -202,6 +224,7 @@ class Context:
         todo = self.pending
         if not todo:
             raise InferenceError("nothing to predict from: fill() the context first")
+        self._check_fits()
         fp = _inf.ForwardPass(self._live())
         fp.input_tokens(todo)
         self._constrain(fp)
@@ -251,6 +274,7 @@ class Context:
             raise InferenceError("nothing to predict from: fill() the context first")
         constrained = logit_mask is not None or matcher is not None or attention_rows is not None
         if self.adapter is None and self.attention is None and not constrained:
+            self._check_fits()
             token = _call(_inf.decode, self._live(), todo, sampler.to_wit())
             self._committed = len(self._tokens)
         else:  # the one-call `decode` carries no adapter or mask: use a full forward pass
@@ -321,10 +345,12 @@ class Context:
     ) -> Iterator[int]:
         """Sample up to `max_tokens` tokens, yielding each. Stops early at a token in `stop`
         (default: the model's stop tokens), which is appended but not yielded. With a
-        `grammar`, every step is constrained by it and generation ends when it is complete."""
+        `grammar`, every step is constrained by it and generation ends when it is complete.
+        Generation also ends, as at `max_tokens`, when the context reaches the model's context
+        length (`room` reaches 0: the last token yielded is then pending)."""
         stop_set = set(model_info().stop_tokens if stop is None else stop)
         matcher = grammar.matcher() if grammar is not None else None
-        for _ in range(max_tokens):
+        for _ in range(min(max_tokens, model_info().max_context - len(self._tokens) + 1)):
             token = self.decode_step(sampler, matcher=matcher)
             if matcher is not None:
                 if not matcher.accept(token):
@@ -415,27 +441,57 @@ def execute_together(passes: list[_inf.ForwardPass]) -> list[list[_inf.Output]]:
     return results
 
 
-def _run_all(contexts: list[Context], sampler: Sampler, probe: _inf.Probe, k: int) -> list[_inf.Output]:
+SamplerChoice = Sampler | Sequence[Sampler]
+
+
+def _samplers(contexts: list[Context], sampler: SamplerChoice) -> list[Sampler]:
+    if isinstance(sampler, (Greedy, Random)):
+        return [sampler] * len(contexts)
+    samplers = list(sampler)
+    if len(samplers) != len(contexts):
+        raise InferenceError(f"{len(samplers)} samplers for {len(contexts)} contexts: give one, or one per context")
+    return samplers
+
+
+def _run_all(contexts: list[Context], samplers: list[Sampler], probe: _inf.Probe, k: int) -> list[_inf.Output]:
     if len({id(c) for c in contexts}) != len(contexts):
         raise InferenceError("each context may appear only once")
-    results = execute_together([c._pending_pass(sampler, probe, k) for c in contexts])
+    results = execute_together([c._pending_pass(s, probe, k) for c, s in zip(contexts, samplers, strict=True)])
     for ctx in contexts:
         ctx._committed = len(ctx._tokens)
     return [outputs[0] for outputs in results]
 
 
-def decode_steps(contexts: list[Context], sampler: Sampler = GREEDY) -> list[int]:
+def decode_steps(contexts: list[Context], sampler: SamplerChoice = GREEDY) -> list[int]:
     """`decode_step` on several contexts at once: their passes share device passes instead of
-    running one after another. Returns one token per context, in order."""
-    tokens = [int(out.token) for out in _run_all(contexts, sampler, _NO_PROBE, 0)]
-    for ctx, token in zip(contexts, tokens, strict=True):
-        ctx._tokens.append(token)
-    return tokens
+    running one after another. `sampler`: one for all, or one per context (a seeded `Random`
+    each for best-of-n, say). Returns one token per context, in order."""
+    return [choice.token for choice in _decode_all(contexts, _samplers(contexts, sampler), _NO_PROBE)]
+
+
+def decode_steps_with_logprobs(contexts: list[Context], sampler: SamplerChoice = GREEDY) -> list[TokenChoice]:
+    """`decode_steps`, with each sampled token's logprob under the model (after any logit mask
+    or grammar, before the sampler's temperature): summed over a branch, the score that best-of-n,
+    beam search and self-consistency compare. One `TokenChoice` per context, in order."""
+    return _decode_all(contexts, _samplers(contexts, sampler), _inf.Probe.LOGPROBS)
+
+
+def _decode_all(contexts: list[Context], samplers: list[Sampler], probe: _inf.Probe) -> list[TokenChoice]:
+    choices = [TokenChoice(int(out.token), float(out.logprob)) for out in _run_all(contexts, samplers, probe, 0)]
+    for ctx, choice in zip(contexts, choices, strict=True):
+        ctx._tokens.append(choice.token)
+    return choices
 
 
 def top_k_all(contexts: list[Context], k: int) -> list[list[TokenChoice]]:
     """`top_k` on several contexts at once (see `decode_steps`)."""
     return [
         [TokenChoice(int(t), float(p)) for t, p in zip(out.topk_ids, out.topk_logprobs, strict=True)]
-        for out in _run_all(contexts, Greedy(), _inf.Probe.LOGPROBS, k)
+        for out in _run_all(contexts, [Greedy()] * len(contexts), _inf.Probe.LOGPROBS, k)
     ]
+
+
+def pages_in_use() -> int:
+    """KV pages all of this run's contexts hold on the host now, each shared page once (what
+    the daemon's per-run page quota counts, and what the run would leave if it ended now)."""
+    return int(_ctx.pages_in_use())

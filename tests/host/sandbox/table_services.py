@@ -72,6 +72,11 @@ class TableServices:
         with self._lock:
             return len(self._ctx(run_id, context_id))
 
+    def context_num_pages(self, run_id: int, context_id: int) -> int:
+        with self._lock:  # no pages in a table
+            self._ctx(run_id, context_id)
+            return 0
+
     def truncate_context(self, run_id: int, context_id: int, length: int) -> None:
         with self._lock:
             tokens = self._ctx(run_id, context_id)

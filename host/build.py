@@ -65,7 +65,7 @@ BASE_MODULES = (
     "math", "operator", "pprint", "random", "re", "statistics", "string", "struct", "textwrap", "time",
     "traceback", "types", "typing", "unicodedata", "uuid", "zlib",
 )  # fmt: skip
-_BASE_FORMAT = 1
+_BASE_FORMAT = 2
 _MODULE_LIST = "modules.txt"
 
 # The base's entry: preload, record what the snapshot holds, and import `app` only at run time.
@@ -282,7 +282,10 @@ def _build_base(out_dir: Path, digest: str, wasm_path: Path, modules_path: Path)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     try:
-        _componentize(_BASE_ENTRY_SOURCE, [SDK_DIR], work, work / "out.wasm", SDK_DIR)
+        # Mounted as in a snapshot build (/1 the inferlet's folder, here empty; /2 the SDK), so a
+        # traceback's SDK frames map back to the SDK's files either way (rewrite_guest_paths).
+        (work / "no-inferlet").mkdir()
+        _componentize(_BASE_ENTRY_SOURCE, [work / "no-inferlet", SDK_DIR], work, work / "out.wasm", SDK_DIR)
         os.replace(work / _MODULE_LIST, modules_path)
         os.replace(work / "out.wasm", wasm_path)  # last: its presence says the base is whole
     finally:

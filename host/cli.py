@@ -9,14 +9,19 @@ import argparse
 import logging
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from host import dev_loop
 from host.build import BuildError, build, resolve_inferlet, rewrite_guest_paths, write_bindings
 from host.daemon.cli import add_serve_command
 from host.errors import HostError
-from host.sandbox import BufferedRunIO, RunStatus, Sandbox, SandboxConfig, SandboxError
+from host.sandbox import BufferedRunIO, RunOutcome, RunStatus, Sandbox, SandboxConfig, SandboxError
 from host.sandbox.config import MIB, default_cache_dir
+
+if TYPE_CHECKING:
+    from host.engine import Engine
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -64,22 +69,17 @@ def _component_path(ns: argparse.Namespace) -> tuple[Path, Path | None]:
     return result.wasm_path, resolve_inferlet(ns.inferlet)
 
 
-def cmd_run(ns: argparse.Namespace) -> int:
-    # Imported here: the engine pulls in the bridge and anyio, which `wafer build` does not need.
-    from host.engine import Engine
-
-    args: list[str] = ns.inferlet_args
-    try:
-        wasm_path, source_dir = _component_path(ns)
-    except BuildError as exc:
-        print(f"wafer: error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    config = SandboxConfig(
+def _sandbox_config(ns: argparse.Namespace) -> SandboxConfig:
+    return SandboxConfig(
         cache_dir=ns.cache_dir,
         memory_limit_bytes=ns.memory_mib * MIB,
         inactivity_timeout_s=ns.watchdog_s,
         wall_budget_s=ns.timeout_s,
     )
+
+
+def _console_io() -> BufferedRunIO:
+    """Output to stdout as it streams; each `send()` to stderr, marked."""
 
     def write(chunk: str) -> None:
         sys.stdout.write(chunk)
@@ -89,19 +89,47 @@ def cmd_run(ns: argparse.Namespace) -> int:
         sys.stderr.write(f"wafer: send: {message}\n")
         sys.stderr.flush()
 
-    io = BufferedRunIO(on_chunk=write, on_send=show_sent)
+    return BufferedRunIO(on_chunk=write, on_send=show_sent)
 
+
+def _start_engine(ns: argparse.Namespace) -> Engine:
+    from host.engine import Engine  # the bridge and anyio, which `wafer build` does not need
+
+    return Engine.start(
+        driver=_kept_or_fresh(ns),
+        driver_args=ns.driver_arg,
+        speculation_depth=ns.speculation_depth,
+        max_decode_steps=ns.max_decode_steps,
+        adapter_dir=ns.adapter_dir,
+    )
+
+
+def _report(outcome: RunOutcome, source_dir: Path | None) -> int:
+    """End the output's line; say how a run that did not end well ended (paths in its
+    traceback mapped back to the inferlet's files). The exit code."""
+    if outcome.output and not outcome.output.endswith("\n"):
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    if outcome.status is RunStatus.OK:
+        return EXIT_OK
+    error = outcome.error or ""
+    if source_dir is not None:
+        error = rewrite_guest_paths(error, source_dir)
+    print(f"wafer: run {outcome.run_id} {outcome.status.value}: {error}", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def cmd_run(ns: argparse.Namespace) -> int:
     try:
-        engine_start = Engine.start(
-            driver=ns.driver,
-            driver_args=ns.driver_arg,
-            speculation_depth=ns.speculation_depth,
-            max_decode_steps=ns.max_decode_steps,
-            adapter_dir=ns.adapter_dir,
-        )
-        with Sandbox(config) as sandbox, engine_start as engine:
+        wasm_path, source_dir = _component_path(ns)
+    except BuildError as exc:
+        print(f"wafer: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    io = _console_io()
+    try:
+        with Sandbox(_sandbox_config(ns)) as sandbox, _start_engine(ns) as engine:
             component = sandbox.load(wasm_path, _progress)
-            handle = sandbox.start(component, engine, args, io=io)
+            handle = sandbox.start(component, engine, ns.inferlet_args, io=io)
             if ns.stdin:
                 _feed_stdin(io)
             try:
@@ -114,15 +142,98 @@ def cmd_run(ns: argparse.Namespace) -> int:
     except (SandboxError, HostError, ValueError) as exc:
         print(f"wafer: error: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    if outcome.output and not outcome.output.endswith("\n"):
-        sys.stdout.write("\n")
-    if outcome.status is not RunStatus.OK:
-        error = outcome.error or ""
-        if source_dir is not None:
-            error = rewrite_guest_paths(error, source_dir)
-        print(f"wafer: run {outcome.run_id} {outcome.status.value}: {error}", file=sys.stderr)
+    return _report(outcome, source_dir)
+
+
+def cmd_dev(ns: argparse.Namespace) -> int:
+    """Run the inferlet, then again after every change to its files, on one engine and driver."""
+    try:
+        folder = resolve_inferlet(ns.inferlet)
+    except BuildError as exc:
+        print(f"wafer: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+    def once(changed: Callable[[], bool], sandbox: Sandbox, engine: Engine) -> None:
+        try:
+            result = build(str(folder), ns.cache_dir, _quiet, snapshot=ns.snapshot, slow=_progress)
+            loaded = sandbox.load(result.wasm_path, _progress)
+        except (BuildError, SandboxError) as exc:
+            print(f"wafer: error: {exc}", file=sys.stderr)
+            return
+        io = _console_io()
+        io.close()  # no client: receive() returns None
+        handle = sandbox.start(loaded, engine, ns.inferlet_args, io=io)
+        while not handle.is_done:
+            if changed():
+                handle.cancel()
+                _progress("changed while running: cancelled")
+            try:
+                handle.wait(dev_loop.POLL_S)
+            except TimeoutError:
+                continue
+        _report(handle.wait(), folder)
+
+    try:
+        with Sandbox(_sandbox_config(ns)) as sandbox, _start_engine(ns) as engine:
+            dev_loop.watch(folder, lambda changed: once(changed, sandbox, engine), _progress)
+    except KeyboardInterrupt:
+        print("\nwafer: dev stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (SandboxError, HostError, ValueError) as exc:
+        print(f"wafer: error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _kept_or_fresh(ns: argparse.Namespace) -> str:
+    """The driver to use: a kept one (`wafer driver start NAME`) if there is one, else `--driver`."""
+    from host import kept_drivers
+    from host.driver_link import BUILTIN_DRIVERS
+
+    if ns.driver not in BUILTIN_DRIVERS or not ns.kept:
+        return str(ns.driver)
+    kept = kept_drivers.find(ns.cache_dir, ns.driver)
+    if kept is None:
+        if ns.driver == "torch":
+            _progress(
+                "starting the torch driver for this run (it loads the model first); "
+                "`wafer driver start torch` keeps one running for later runs"
+            )
+        return str(ns.driver)
+    _progress(f"using the kept {ns.driver} driver (pid {kept.pid}; `wafer driver stop {ns.driver}` ends it)")
+    if ns.driver_arg and list(ns.driver_arg) != list(kept.args):
+        _progress(f"--driver-arg is ignored: the kept driver runs with {list(kept.args)} (--fresh-driver to use yours)")
+    return kept.address
+
+
+def cmd_driver(ns: argparse.Namespace) -> int:
+    from host import kept_drivers
+    from host.driver_link import BUILTIN_DRIVERS
+
+    try:
+        if ns.action == "status":
+            kept = kept_drivers.list_kept(ns.cache_dir)
+            for k in kept:
+                print(f"{k.name}\tpid {k.pid}\t{k.address}\targs {list(k.args)}\tlog {k.log_path}")
+            if not kept:
+                print("no kept drivers", file=sys.stderr)
+            return EXIT_OK
+        if ns.name not in BUILTIN_DRIVERS:
+            print(f"wafer: error: unknown driver {ns.name!r}: use one of {', '.join(BUILTIN_DRIVERS)}", file=sys.stderr)
+            return EXIT_USAGE
+        if ns.action == "start":
+            started = kept_drivers.start(
+                ns.cache_dir, ns.name, f"drivers.{ns.name}", ns.inferlet_args, _progress, ns.timeout_s
+            )
+            _progress(f"the {ns.name} driver is kept at {started.address}: `wafer run --driver {ns.name}` uses it")
+            return EXIT_OK
+        stopped = kept_drivers.stop(ns.cache_dir, ns.name)
+        said = f"stopped the kept {ns.name} driver (pid {stopped.pid})" if stopped else f"no {ns.name} driver is kept"
+        _progress(said)
+        return EXIT_OK
+    except HostError as exc:
+        print(f"wafer: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 def _feed_stdin(io: BufferedRunIO) -> None:
@@ -150,6 +261,47 @@ _SNAPSHOT_HELP = (
 )
 
 
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("inferlet", help="inferlet name, folder, or built .wasm component")
+    parser.add_argument(
+        "--driver",
+        default="dummy",
+        help="dummy or torch (a subprocess), loopback (in-process), unix:PATH or tcp:HOST:PORT (default: dummy)",
+    )
+    parser.add_argument(
+        "--driver-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an argument for the driver process, repeatable (e.g. --driver-arg=--model --driver-arg=smollm2)",
+    )
+    parser.add_argument(
+        "--speculation-depth", type=int, default=1, help="pre-fired decode steps per context, 0 = off (default: 1)"
+    )
+    parser.add_argument(
+        "--max-decode-steps",
+        type=int,
+        default=16,
+        help="decode steps per pass of host-side generation while passes are short, 1 = off (default: 16)",
+    )
+    parser.add_argument(
+        "--adapter-dir",
+        default="",
+        help="where LoRA adapter names are resolved, on the driver's machine (default: adapters off)",
+    )
+    parser.add_argument("--memory-mib", type=int, default=256, help="guest memory cap (default: 256)")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="wall-clock budget of the run")
+    parser.add_argument("--watchdog-s", type=float, default=5.0, help="max guest time between host calls")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show build progress and host logs")
+    parser.add_argument("--snapshot", action="store_true", help=_SNAPSHOT_HELP)
+    parser.add_argument(
+        "--fresh-driver",
+        dest="kept",
+        action="store_false",
+        help="start a driver for this run even if one is kept (`wafer driver start`)",
+    )
+
+
 def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p_build = subparsers.add_parser("build", help="build an inferlet folder into a component")
     p_build.add_argument("dir", help="inferlet folder (or the name of one under inferlets/)")
@@ -171,45 +323,32 @@ def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         help="build (if needed) and run an inferlet, printing its output as it streams",
         usage="wafer run NAME_OR_PATH [options] -- ARGS...",
     )
-    p_run.add_argument("inferlet", help="inferlet name, folder, or built .wasm component")
-    p_run.add_argument(
-        "--driver",
-        default="dummy",
-        help="dummy or torch (a subprocess), loopback (in-process), unix:PATH or tcp:HOST:PORT (default: dummy)",
-    )
-    p_run.add_argument(
-        "--driver-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="an argument for the driver process, repeatable (e.g. --driver-arg=--model --driver-arg=smollm2)",
-    )
-    p_run.add_argument(
-        "--speculation-depth", type=int, default=1, help="pre-fired decode steps per context, 0 = off (default: 1)"
-    )
-    p_run.add_argument(
-        "--max-decode-steps",
-        type=int,
-        default=16,
-        help="decode steps per pass of host-side generation while passes are short, 1 = off (default: 16)",
-    )
-    p_run.add_argument(
-        "--adapter-dir",
-        default="",
-        help="where LoRA adapter names are resolved, on the driver's machine (default: adapters off)",
-    )
-    p_run.add_argument("--memory-mib", type=int, default=256, help="guest memory cap (default: 256)")
-    p_run.add_argument("--timeout-s", type=float, default=600.0, help="wall-clock budget of the run")
-    p_run.add_argument("--watchdog-s", type=float, default=5.0, help="max guest time between host calls")
+    _add_run_options(p_run)
     p_run.add_argument(
         "--no-stdin",
         dest="stdin",
         action="store_false",
         help="do not feed stdin lines to receive() (by default each line is a message; end of input closes)",
     )
-    p_run.add_argument("-v", "--verbose", action="store_true", help="show build progress and host logs")
-    p_run.add_argument("--snapshot", action="store_true", help=_SNAPSHOT_HELP)
     p_run.set_defaults(func=cmd_run)
+
+    p_dev = subparsers.add_parser(
+        "dev",
+        help="run an inferlet, then rebuild and run it again whenever one of its files changes",
+        usage="wafer dev NAME_OR_PATH [options] -- ARGS...",
+    )
+    _add_run_options(p_dev)
+    p_dev.set_defaults(func=cmd_dev)
+
+    p_driver = subparsers.add_parser(
+        "driver",
+        help="keep a driver running for later runs (start, stop, status)",
+        usage="wafer driver {start,stop,status} [NAME] [--timeout-s S] [-- DRIVER_ARGS...]",
+    )
+    p_driver.add_argument("action", choices=("start", "stop", "status"))
+    p_driver.add_argument("name", nargs="?", default="torch", help="dummy or torch (default: torch)")
+    p_driver.add_argument("--timeout-s", type=float, default=600.0, help="how long start waits for it to listen")
+    p_driver.set_defaults(func=cmd_driver)
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction[argparse.ArgumentParser]]:

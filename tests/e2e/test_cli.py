@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,6 +43,7 @@ def test_an_import_time_error_is_reported_with_file_and_line(
     err = capsys.readouterr().err
     assert f'File "{folder / "app.py"}", line 4, in <module>' in err
     assert "NameError: name 'undefined_name' is not defined" in err
+    _frames_exist(err)
     on_base = set((tmp_path / "cache" / "build").glob("*.wasm"))
     assert main([*cache, "build", "--snapshot", str(folder)]) == EXIT_FAILED
     err = capsys.readouterr().err
@@ -126,3 +130,36 @@ def test_a_host_call_at_import_works_on_the_base_and_is_named_in_a_snapshot_buil
     assert main([*cache, "build", "--snapshot", str(folder)]) == EXIT_FAILED
     err = capsys.readouterr().err
     assert "called the host (wafer:inferlet/model#info) while it was being built: no host calls at import" in err
+
+
+def _frames_exist(error: str) -> None:
+    """Every file a traceback names is a real file, but the guest's standard library (/python)
+    and frozen or generated code: guest paths were mapped back to the inferlet's and the SDK's."""
+    files = re.findall(r'File "([^"]+)", line', error)
+    assert files
+    assert all(Path(f).is_file() for f in files if not f.startswith(("<", "/python/"))), files
+
+
+def test_dev_reruns_the_inferlet_after_each_change(tmp_path: Path) -> None:
+    source = "from inferlet import emit\n\n\ndef main(args):\n    emit('first ' + ' '.join(args) + '\\n')\n"
+    folder = _write_inferlet(tmp_path / "dev_me", source)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "host.cli", "dev", str(folder), "--", "x", "y"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        assert proc.stdout.readline() == "first x y\n"
+        (folder / "app.py").write_text(source.replace("'first '", "'second '"))
+        assert proc.stdout.readline() == "second x y\n"  # rebuilt and run again, same engine
+        (folder / "app.py").write_text(source.replace("'first '", "missing + 'third '"))
+    finally:
+        time.sleep(2)  # the broken edit's run reports its error
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.count("changed: rebuilding and running") == 2
+    assert "NameError: name 'missing' is not defined" in err
+    _frames_exist(err[err.index("Traceback") :])

@@ -1,0 +1,78 @@
+"""`wafer driver start NAME`: a driver kept running for later runs, which connect to it instead
+of starting their own (for torch, that skips the model load); status, stop, and a kept driver
+that died is forgotten."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from host import kept_drivers
+from host.cli import EXIT_FAILED, EXIT_OK, main
+from host.errors import DriverFailed
+from host.sandbox.config import default_cache_dir
+
+
+@pytest.fixture()
+def cache(tmp_path: Path) -> Iterator[Path]:
+    """A cache of its own for the kept drivers, sharing the session's base and compiled code."""
+    root = tmp_path / "cache"
+    root.mkdir()
+    shared = default_cache_dir()
+    for part in ("base", "compiled", "build"):
+        (shared / part).mkdir(parents=True, exist_ok=True)
+        (root / part).symlink_to(shared / part)
+    yield root
+    kept_drivers.stop(root, "dummy")
+
+
+def test_runs_use_the_kept_driver_until_it_is_stopped(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--cache-dir", str(cache), "driver", "start", "dummy", "--", "--num-pages", "77"]) == EXIT_OK
+    kept = kept_drivers.find(cache, "dummy")
+    assert kept is not None and kept.args == ("--num-pages", "77")
+    capsys.readouterr()
+    for _ in range(2):  # one host connection after another
+        assert main(["--cache-dir", str(cache), "run", "hello", "--no-stdin"]) == EXIT_OK
+        captured = capsys.readouterr()
+        assert captured.out.startswith("Hello, world! This is dummy.")
+        assert f"using the kept dummy driver (pid {kept.pid}" in captured.err
+    assert main(["--cache-dir", str(cache), "driver", "status"]) == EXIT_OK
+    assert f"dummy\tpid {kept.pid}\t{kept.address}" in capsys.readouterr().out
+    assert main(["--cache-dir", str(cache), "run", "hello", "--no-stdin", "--fresh-driver"]) == EXIT_OK
+    assert "using the kept" not in capsys.readouterr().err
+    assert main(["--cache-dir", str(cache), "driver", "stop", "dummy"]) == EXIT_OK
+    assert f"stopped the kept dummy driver (pid {kept.pid})" in capsys.readouterr().err
+    assert kept_drivers.find(cache, "dummy") is None
+    with pytest.raises(ProcessLookupError):
+        os.kill(kept.pid, 0)
+    assert main(["--cache-dir", str(cache), "run", "hello", "--no-stdin"]) == EXIT_OK  # a driver of its own
+    assert "using the kept" not in capsys.readouterr().err
+
+
+def test_a_second_start_is_refused_and_a_dead_driver_is_forgotten(
+    cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kept = kept_drivers.start(cache, "dummy", "drivers.dummy")
+    with pytest.raises(DriverFailed, match=f"already kept \\(pid {kept.pid}\\)"):
+        kept_drivers.start(cache, "dummy", "drivers.dummy")
+    os.kill(kept.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while kept_drivers.find(cache, "dummy") is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert kept_drivers.find(cache, "dummy") is None
+    assert not (cache / "drivers" / "dummy.json").exists()
+    assert main(["--cache-dir", str(cache), "driver", "stop", "dummy"]) == EXIT_OK
+    assert "no dummy driver is kept" in capsys.readouterr().err
+
+
+def test_a_driver_that_cannot_start_says_why(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--cache-dir", str(cache), "driver", "start", "dummy", "--", "--vocab-size", "3"]
+    assert main(argv) == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert "the dummy driver exited with status" in err and "vocab" in err
+    assert main(["--cache-dir", str(cache), "driver", "start", "nonesuch"]) == 2

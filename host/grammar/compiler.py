@@ -375,7 +375,8 @@ class GrammarCompiler:
 def _prepared(schema: Any, strict: bool) -> tuple[Any, tuple[str, ...]]:
     """A normalized schema as both engines get it (formats no validator checks dropped, oneOf
     proved exclusive as anyOf), and what xgrammar would not enforce, in the schema's own words."""
-    schema, _annotations = schema_support.drop_annotation_formats(schema, schema_support.checked_formats(schema))
+    if schema_support.has_format(schema):  # (only then is jsonschema, slow to import, needed)
+        schema, _annotations = schema_support.drop_annotation_formats(schema, schema_support.checked_formats(schema))
     features = schema_support.unsupported_features(schema, strict)
     return schema_support.exclusive_one_of_as_any_of(schema), features
 

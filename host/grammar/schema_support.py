@@ -12,7 +12,8 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from jsonschema import Draft202012Validator, validators
+# jsonschema is imported where it is needed, not here: with its format checkers it takes over a
+# second to import (rfc3987-syntax builds a parser), which a CLI run pays for every grammar.
 
 # Formats xgrammar turns into a string grammar; any other format is accepted as a plain string.
 KNOWN_FORMATS = frozenset(
@@ -170,6 +171,8 @@ def full_match_pattern(pattern: str) -> str:
 
 def draft_validator(schema: Any) -> Any:
     """The jsonschema validator class of the draft `schema` declares (2020-12 when none)."""
+    from jsonschema import Draft202012Validator, validators
+
     return (
         validators.validator_for(schema, default=Draft202012Validator)
         if isinstance(schema, dict)
@@ -179,6 +182,8 @@ def draft_validator(schema: Any) -> Any:
 
 def refs_ignore_siblings(schema: Any) -> bool:
     """Drafts 4-7: keywords beside `$ref` are ignored (by the standard, so by a validator too)."""
+    if not (isinstance(schema, dict) and "$schema" in schema):
+        return False  # 2020-12, without asking jsonschema
     return draft_validator(schema).__name__ in (
         "Draft3Validator",
         "Draft4Validator",
@@ -207,8 +212,19 @@ def checked_formats(schema: Any) -> frozenset[str]:
     """Formats a validator may check in `schema`: those of its draft's format checker and of the
     newest draft's (a validator may well check `date` in a draft-04 schema, so it is enforced,
     never dropped). jsonschema with its format-nongpl extras, as this package installs it."""
+    from jsonschema import Draft202012Validator
+
     newest = Draft202012Validator.FORMAT_CHECKER.checkers
     return frozenset(draft_validator(schema).FORMAT_CHECKER.checkers) | frozenset(newest)
+
+
+def has_format(schema: Any) -> bool:
+    """Whether any subschema of `schema` has a string `format`."""
+    if isinstance(schema, dict):
+        return isinstance(schema.get("format"), str) or any(has_format(v) for v in schema.values())
+    if isinstance(schema, list):
+        return any(has_format(v) for v in schema)
+    return False
 
 
 def map_subschemas(node: dict[str, Any], pointer: str, fn: Any) -> dict[str, Any]:
@@ -333,6 +349,8 @@ def _values_satisfy(node: dict[str, Any], keyword: str) -> bool:
     rest = {k: v for k, v in node.items() if k not in ("enum", "const")}
     if not isinstance(values, list) or any("$ref" in str(k) for k in rest):
         return False
+    from jsonschema import Draft202012Validator
+
     try:
         validator = Draft202012Validator(rest)
         return all(validator.is_valid(value) for value in values)

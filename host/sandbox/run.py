@@ -11,6 +11,7 @@ import wasmtime
 from wasmtime.component import Component, Linker
 
 from host.errors import HostError
+from host.sandbox import watchdog
 from host.sandbox.guest_output import GuestStream
 from host.sandbox.outcome import RunOutcome, RunStatus
 from host.sandbox.resources import ResourceKind
@@ -96,6 +97,7 @@ class Run:
         wasi.stdout_file = self._stdout.open_pipe()  # pipes, not callbacks: see guest_output.py
         wasi.stderr_file = self._stderr.open_pipe()
         store.set_wasi(wasi)
+        watchdog.install(store)
         self._stdout.release_writer()
         self._stderr.release_writer()
         return store
@@ -135,14 +137,8 @@ class Run:
             return RunStatus.CANCELLED, "cancelled"
         if state.stop_reason is not None:
             return state.stop_status, state.stop_reason
-        if "interrupt" in message:
-            # The tick that fires may come a moment before the deadline it stands for: which
-            # deadline was armed says which limit this is.
-            if state.is_wall_deadline_armed or state.remaining_s() <= 0:
-                return RunStatus.TIMED_OUT, f"wall-clock budget of {state.config.wall_budget_s:g} s exhausted"
-            return RunStatus.TIMED_OUT, (
-                f"guest ran {state.config.inactivity_timeout_s:g} s without calling the host (watchdog)"
-            )
+        if "interrupt" in message:  # the watchdog's callback records why; this is a fallback
+            return RunStatus.TIMED_OUT, "interrupted by the epoch deadline"
         _log.info("[run %d] trapped: %s", state.run_id, message)
         return RunStatus.TRAPPED, _trap_headline(message)  # the guest's stderr is added at the end
 

@@ -20,6 +20,10 @@ from host.services import Services
 
 _current = threading.local()
 
+# How often a guest computing between host calls is checked (`host.sandbox.watchdog`): a cancel
+# or the wall clock stops it within this.
+WATCHDOG_CHECK_S = 0.2
+
 
 @dataclass(slots=True)
 class RunState:
@@ -41,8 +45,8 @@ class RunState:
     # kept here because a host function can only raise a bare WasmtimeError across the boundary.
     stop_reason: str | None = None
     stop_status: RunStatus = RunStatus.TIMED_OUT
-    # Whether the epoch deadline armed last is the wall clock's (not the inactivity window's).
-    is_wall_deadline_armed: bool = False
+    # When the guest last called the host: the inactivity window (watchdog) runs from here.
+    last_activity_s: float = 0.0
     output_bytes: int = 0  # emitted and sent so far (UTF-8)
     pass_buffer_bytes: int = 0  # what the host holds for the run's forward passes
     stderr_chunks: list[bytes] = field(default_factory=list)
@@ -80,12 +84,34 @@ class RunState:
         return self.deadline_s - time.monotonic()
 
     def rearm_watchdog(self) -> None:
-        """Give the guest a fresh inactivity window, never past the wall-clock budget."""
+        """At each host call: the inactivity window starts again, and the guest's next check
+        (`host.sandbox.watchdog`) is at most `WATCHDOG_CHECK_S` away."""
         assert self.store is not None
-        remaining_s = max(self.remaining_s(), 0.0)
-        self.is_wall_deadline_armed = remaining_s <= self.config.inactivity_timeout_s
-        window_s = min(self.config.inactivity_timeout_s, remaining_s)
-        self.store.set_epoch_deadline(self.config.ticks(window_s))
+        self.last_activity_s = time.monotonic()
+        self.store.set_epoch_deadline(self.config.ticks(self.next_check_s()))
+
+    def next_check_s(self, check_s: float = 0.0) -> float:
+        """Seconds to the guest's next check: `check_s` (default WATCHDOG_CHECK_S), or sooner
+        if the wall clock or the inactivity window ends sooner."""
+        now = time.monotonic()
+        idle_left = self.last_activity_s + self.config.inactivity_timeout_s - now
+        return max(0.0, min(check_s or WATCHDOG_CHECK_S, self.deadline_s - now, idle_left))
+
+    def check_while_computing(self) -> str | None:
+        """At a check in guest code (no host call in progress): why the run must end now, with
+        the reason recorded for its report; None to let the guest go on."""
+        if self.cancel_requested.is_set():
+            self.stop_reason = "cancelled"
+            return "run cancelled"
+        if self.remaining_s() <= 0:
+            budget = f"wall-clock budget of {self.config.wall_budget_s:g} s exhausted"
+            return str(self.stop(budget, RunStatus.TIMED_OUT))
+        window_s = self.config.inactivity_timeout_s
+        if time.monotonic() - self.last_activity_s >= window_s:
+            return str(self.stop(f"guest ran {window_s:g} s without calling the host (watchdog)", RunStatus.TIMED_OUT))
+        if self.stop_reason is not None and self.stop_status is RunStatus.LIMIT_EXCEEDED:
+            return self.stop_reason  # a limit another thread charged (output from a helper)
+        return None
 
     def stop(self, reason: str, status: RunStatus) -> wasmtime.WasmtimeError:
         """Record why the host ends the run; the error for the host function to raise."""

@@ -50,9 +50,10 @@ class RunHandle:
         return self._run.is_done
 
     def cancel(self) -> None:
-        """Stop the run at its next host call (a guest spinning in wasm is stopped by the
-        watchdog). Ending the run in the engine at once frees its pages and fails any pass it is
-        waiting for, so a run blocked in a forward pass stops without waiting for the driver."""
+        """Stop the run at its next host call, or at its next check while it computes
+        (`host.sandbox.watchdog`, every WATCHDOG_CHECK_S). Ending the run in the engine at once
+        frees its pages and fails any pass it is waiting for, so a run blocked in a forward pass
+        stops without waiting for the driver."""
         state = self._run.state
         if state.cancel_requested.is_set() or self._run.is_done:
             return

@@ -3,7 +3,7 @@ callback, and a deadline a fraction of a second ahead. When guest code reaches t
 (wasmtime checks at function entries and loop heads), the callback runs on the run's own thread
 and decides: a cancel, the wall clock or the inactivity window ends the run with that reason;
 otherwise the guest goes on to the next deadline. So a cancel or the wall clock stops even a
-guest spinning in a loop within `CHECK_S`, and the watchdog (no host call for the inactivity
+guest spinning in a loop within `WATCHDOG_CHECK_S`, and the watchdog (no host call for the inactivity
 window) is measured from the last host call, not armed per call.
 
 wasmtime-py does not wrap the C API's `wasmtime_store_epoch_deadline_callback`; its ctypes
@@ -24,7 +24,6 @@ from host.sandbox.run_state import current_or_none
 
 _log = logging.getLogger("wafer.sandbox")
 
-CHECK_S = 0.2  # how often a computing guest is checked: a cancel takes effect within this
 _CONTINUE = 0  # WASMTIME_UPDATE_DEADLINE_CONTINUE
 
 _CALLBACK_TYPE = ffi._wasmtime_store_epoch_deadline_callback.argtypes[1]
@@ -45,7 +44,7 @@ def _on_deadline(_context: Any, _env: Any, delta: Any, kind: Any) -> int:
         reason = run.check_while_computing()
         if reason is not None:
             return _error(reason)
-        delta[0] = run.config.ticks(run.next_check_s(CHECK_S))
+        delta[0] = run.config.ticks(run.next_check_s())
         kind[0] = _CONTINUE
         return 0
     except BaseException as exc:  # an exception must not cross into wasmtime

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import time
 from pathlib import Path
 
 import pytest
@@ -83,13 +84,39 @@ def test_output_under_the_limit_is_all_delivered(
 def test_a_spinning_guest_stopped_by_the_wall_clock_is_reported_as_the_wall_clock(
     sandbox: Sandbox, misbehave: Component, services: TableServices
 ) -> None:
-    # The epoch tick that fires may come a moment before the wall-clock deadline; the armed
-    # deadline, not the time left, says which limit it was (the watchdog's window is 30 s here).
+    # The watchdog's window is 30 s here: only the wall clock can have stopped it.
     for _ in range(3):
         config = dataclasses.replace(sandbox.config, wall_budget_s=0.25)
         outcome = sandbox.run(misbehave, services, ["spin"], config=config)
         assert outcome.status is RunStatus.TIMED_OUT
         assert outcome.error == "wall-clock budget of 0.25 s exhausted"
+
+
+def test_a_cancel_stops_a_guest_spinning_in_wasm(
+    sandbox: Sandbox, misbehave: Component, services: TableServices
+) -> None:
+    """[limits]: a cancel used to wait for the watchdog (the guest makes no host call to stop
+    at); the store's epoch-deadline callback now checks for it between host calls too. With a
+    10-minute watchdog and wall clock, only the cancel can end these runs."""
+    config = dataclasses.replace(sandbox.config, inactivity_timeout_s=600.0, wall_budget_s=600.0)
+    for _ in range(3):
+        handle = sandbox.start(misbehave, services, ["spin"], config=config)
+        time.sleep(0.3)  # well inside the spin
+        handle.cancel()
+        outcome = handle.wait(timeout_s=60)
+        assert outcome.status is RunStatus.CANCELLED and outcome.error == "cancelled"
+    assert sandbox.run(misbehave, services, ["decode", "2"]).is_ok  # the sandbox goes on serving
+
+
+def test_a_guest_that_computes_in_bursts_is_not_stopped_by_the_watchdog(
+    sandbox: Sandbox, misbehave: Component, services: TableServices
+) -> None:
+    """The watchdog's window runs from the last host call: a guest that calls the host between
+    bursts of computing shorter than the window is never stopped, however many checks it sees."""
+    config = dataclasses.replace(sandbox.config, inactivity_timeout_s=1.0)
+    outcome = sandbox.run(misbehave, services, ["bursts", "6", "0.5"], config=config)
+    assert outcome.status is RunStatus.OK, outcome.error
+    assert outcome.output == "6 bursts"
 
 
 @pytest.mark.parametrize("kind", ["tokens", "positions"])

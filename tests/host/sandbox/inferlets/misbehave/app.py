@@ -3,8 +3,9 @@
 import json
 import os
 import sys
+import time
 
-from inferlet import Adapter, AdapterError, Context, emit, model_info, receive, send
+from inferlet import Adapter, AdapterError, Context, emit, model_info, receive, run_id, send
 
 try:
     import socket
@@ -18,6 +19,17 @@ def spin(args):
     n = 0
     while True:
         n += 1
+
+
+def bursts(args):
+    """args[1] bursts of args[2] seconds of computing, each followed by one host call."""
+    count, seconds = int(args[1]), float(args[2])
+    for _ in range(count):
+        start = time.monotonic()
+        while time.monotonic() - start < seconds:  # clock reads are not host calls
+            pass
+        run_id()
+    emit(f"{count} bursts")
 
 
 def alloc(args):
@@ -214,6 +226,7 @@ def print_out(args):
 BEHAVIOURS = {
     f.__name__: f
     for f in (
+        bursts,
         spin,
         alloc,
         recurse,

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
+from bridge_schema.batch import logit_mask_words
 from bridge_schema.errors import FieldError, RangeError, ShapeError
 from bridge_schema.limits import Limits
 from bridge_schema.messages import (
@@ -250,7 +251,7 @@ def _check_limits(
             )
     elif len(f.mask_row_indptr) > 1:
         raise ShapeError("mask rows have no runs; a row covers all of its request's keys", "mask_runs")
-    words = (lim.vocab_size + 31) // 32
+    words = logit_mask_words(lim.vocab_size)
     if len(f.logit_masks) % words:
         raise ShapeError(f"{len(f.logit_masks)} words is not a whole number of {words}-word masks", "logit_masks")
     if len(f.logit_mask_index) and int(f.logit_mask_index.max()) >= len(f.logit_masks) // words:

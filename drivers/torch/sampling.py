@@ -11,6 +11,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from bridge_schema.batch import logit_mask_words
 from bridge_schema.messages import Forward, Probe, SamplerKind
 from bridge_schema.sampling import seeded_uniform
 from drivers.errors import RequestRejected
@@ -41,7 +42,7 @@ def apply_logit_masks(logits: torch.Tensor, fwd: Forward, vocab_size: int) -> to
     index = fwd.logit_mask_index.astype(np.int64)
     if not np.any(index >= 0):
         return logits
-    width = (vocab_size + 31) // 32
+    width = logit_mask_words(vocab_size)
     num_masks = fwd.logit_masks.size // width
     if fwd.logit_masks.size != num_masks * width or int(index.max()) >= num_masks:
         raise RequestRejected(f"logit masks must be rows of {width} words", "logit_masks")

@@ -18,9 +18,9 @@ from typing import Any
 
 from bridge_schema.messages import MAX_DECODE_STEPS
 from host.daemon.errors import ConfigError
+from host.driver_link import BUILTIN_DRIVERS
 from host.sandbox.config import MIB, SandboxConfig, default_cache_dir
 
-BUILTIN_DRIVERS = ("dummy", "torch")
 LOG_FORMATS = ("json", "text")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ENV_PREFIX = "WAFER_"

@@ -13,6 +13,7 @@ import numpy as np
 import numpy.typing as npt
 import xgrammar as xgr
 
+from bridge_schema.batch import logit_mask_words
 from host.grammar.errors import MatcherError
 
 if TYPE_CHECKING:
@@ -21,8 +22,8 @@ if TYPE_CHECKING:
 
 
 def bitmask_words(vocab_size: int) -> int:
-    """uint32 words in a next-token bitmask over `vocab_size` tokens."""
-    return (vocab_size + 31) // 32
+    """uint32 words in a next-token bitmask over `vocab_size` tokens: the bridge's logit mask."""
+    return logit_mask_words(vocab_size)
 
 
 def allocate_bitmask(vocab_size: int) -> npt.NDArray[np.uint32]:

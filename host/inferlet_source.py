@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+import threading
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -58,6 +59,17 @@ def _module_path(files: dict[str, str], module: str) -> str | None:
     return next((p for p in (f"{rel}/__init__.py", f"{rel}.py") if p in files), None)
 
 
+# CPython 3.11 keeps the AST constructor's recursion depth in state shared by all threads: two
+# threads parsing at once (one paused by a finalizer that releases the GIL) fail with
+# "SystemError: AST constructor recursion depth mismatch". Builds run on threads side by side.
+_parse_lock = threading.Lock()
+
+
+def _parse(source: str, filename: str) -> ast.Module:
+    with _parse_lock:
+        return ast.parse(source, filename=filename)
+
+
 def external_imports(files: tuple[tuple[str, str], ...]) -> set[str]:
     """Top-level names of the modules that `app` imports, directly or through its own modules,
     that are not the inferlet's own. Only modules reachable from `app` count, so a test file in the
@@ -74,7 +86,7 @@ def external_imports(files: tuple[tuple[str, str], ...]) -> set[str]:
         package = path.rsplit("/", 1)[0].replace("/", ".") if "/" in path else ""
         if path.endswith("/__init__.py"):
             package = path[: -len("/__init__.py")].replace("/", ".")
-        for node in ast.walk(ast.parse(by_path[path], filename=path)):
+        for node in ast.walk(_parse(by_path[path], path)):
             names: list[str] = []
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]

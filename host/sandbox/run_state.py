@@ -100,17 +100,12 @@ class RunState:
     def check_while_computing(self) -> str | None:
         """At a check in guest code (no host call in progress): why the run must end now, with
         the reason recorded for its report; None to let the guest go on."""
-        if self.cancel_requested.is_set():
-            self.stop_reason = "cancelled"
-            return "run cancelled"
-        if self.remaining_s() <= 0:
-            budget = f"wall-clock budget of {self.config.wall_budget_s:g} s exhausted"
-            return str(self.stop(budget, RunStatus.TIMED_OUT))
+        ended = self._must_end()
+        if ended is not None:
+            return str(ended)
         window_s = self.config.inactivity_timeout_s
         if time.monotonic() - self.last_activity_s >= window_s:
             return str(self.stop(f"guest ran {window_s:g} s without calling the host (watchdog)", RunStatus.TIMED_OUT))
-        if self.stop_reason is not None and self.stop_status is RunStatus.LIMIT_EXCEEDED:
-            return self.stop_reason  # a limit another thread charged (output from a helper)
         return None
 
     def stop(self, reason: str, status: RunStatus) -> wasmtime.WasmtimeError:
@@ -154,13 +149,21 @@ class RunState:
 
     def check_can_continue(self) -> None:
         """Stop the guest at a host call if it was cancelled or is out of time."""
+        ended = self._must_end()
+        if ended is not None:
+            raise ended
+
+    def _must_end(self) -> wasmtime.WasmtimeError | None:
+        """The error that ends the run now (a cancel, the wall clock, a limit charged on
+        another thread), its reason recorded; None if it may go on."""
         if self.cancel_requested.is_set():
             self.stop_reason = "cancelled"
-            raise wasmtime.WasmtimeError("run cancelled")
+            return wasmtime.WasmtimeError("run cancelled")
         if self.remaining_s() <= 0:
-            raise self.stop(f"wall-clock budget of {self.config.wall_budget_s:g} s exhausted", RunStatus.TIMED_OUT)
+            return self.stop(f"wall-clock budget of {self.config.wall_budget_s:g} s exhausted", RunStatus.TIMED_OUT)
         if self.stop_reason is not None and self.stop_status is RunStatus.LIMIT_EXCEEDED:
-            raise wasmtime.WasmtimeError(self.stop_reason)  # passed off the run's thread
+            return wasmtime.WasmtimeError(self.stop_reason)  # passed off the run's thread
+        return None
 
 
 def bind_current(state: RunState | None) -> None:

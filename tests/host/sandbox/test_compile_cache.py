@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from wasmtime.component import Component
 
+from host.app_bundle import SECTION_NAME, split_sources
 from host.build import build
 from host.sandbox.compile_cache import CompileCache, LoadedInferlet
 from host.sandbox.config import MIB
@@ -160,3 +161,16 @@ def test_bytes_that_are_no_component_are_refused_by_the_child(tmp_path: Path) ->
     cache = CompileCache(new_engine(), tmp_path / "compiled", compile_memory_bytes=512 * MIB)
     with pytest.raises(ComponentLoadError, match="is not a valid component"):
         cache.load(bad)
+
+
+def test_a_malformed_sources_section_is_a_clear_load_error(cache_dir: Path, tmp_path: Path) -> None:
+    """An inferlet whose `wafer-app` section is not what the build writes (an upload, say) is
+    refused naming the section, not passed on as a half-read inferlet."""
+    base = build("hello", cache_dir).wasm_path.read_bytes()
+    component, _ = split_sources(base)
+    name = SECTION_NAME.encode()
+    body = bytes([len(name)]) + name + b"{not json"
+    bad = tmp_path / "bad_sources.wasm"
+    bad.write_bytes(component + bytes([0, len(body)]) + body)
+    with pytest.raises(ComponentLoadError, match="is not a valid inferlet: the wafer-app section is not JSON"):
+        CompileCache(new_engine(), cache_dir / "compiled").load(bad)

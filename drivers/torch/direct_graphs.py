@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 # Inductor re-checks each input's sizes and strides in its Python wrapper (~600 checks for the
 # decode stack, ~0.3 ms a call); the guards just checked them. Its C++ wrapper (`cpp_wrapper`)
 # runs the graph's kernel calls without a Python step between them: SmolLM2's w8a8 batch-1 decode
-# step went from ~15 to ~11 ms (AMD EPYC, AVX2, 2 threads), at ~1 min more per cold compile.
+# step went from ~15 to ~11 ms (AMD EPYC, AVX2, 2 threads), at a longer cold compile (~230 s).
 INDUCTOR_OPTIONS = {"size_asserts": False, "cpp_wrapper": True}
 # Guards built with this skip the guards of an nn.Module subtree whose dicts are unchanged (dynamo
 # checks their version tags): the decode stack's guard check took 613 us a step without, 323 with.

@@ -198,7 +198,7 @@ class TorchDriver:
         serve = " ".join(f"--driver-arg={f}" for f in flags)
         return (
             f"faster on this CPU: {' '.join(flags)} (int8 matmuls run the {variant} kernel here; w8a8 costs some "
-            f"accuracy and --compile tens of seconds at the first start: docs/torch-driver.md; with wafer serve: "
+            f"accuracy and --compile a few minutes at the first start: docs/torch-driver.md; with wafer serve: "
             f"{serve})"
         )
 

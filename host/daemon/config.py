@@ -57,7 +57,7 @@ class DaemonConfig:
     grammar_cache_mib: float = 512.0  # compiled grammars kept (least recently used dropped past it)
     max_upload_bytes: int = 64 * MIB
     max_request_bytes: int = 4 * MIB
-    driver_startup_timeout_s: float = 300.0  # a first --compile start: kernels ~20 s, compiling ~70 s
+    driver_startup_timeout_s: float = 600.0  # a first --compile start: kernels ~20 s, compiling ~4 min
     restart_backoff_initial_s: float = 0.5
     restart_backoff_max_s: float = 30.0
     drain_timeout_s: float = 10.0

@@ -19,7 +19,7 @@ from host.daemon import inferlet_routes, openai_routes, ops_routes
 from host.daemon.banner import announce_when_ready
 from host.daemon.config import DaemonConfig
 from host.daemon.daemon import Daemon
-from host.daemon.errors import ApiError, InvalidRequest
+from host.daemon.errors import ApiError, BadRequest
 from host.daemon.middleware import EdgeMiddleware
 from host.daemon.openai_models import ChatCompletionRequest, CompletionRequest
 
@@ -88,7 +88,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p not in ("path", "query", "body")]
         param = ".".join(loc) or None
-        return _error_response(InvalidRequest(f"Invalid value for '{param}': {first.get('msg', '')}", param=param))
+        return _error_response(BadRequest(f"Invalid value for '{param}': {first.get('msg', '')}", param=param))
 
     async def on_http(_request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)

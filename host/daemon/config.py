@@ -2,7 +2,7 @@
 
 Values come from a TOML file (`--config`), then `WAFER_<KEY>` environment variables, then
 command-line flags; later sources win. Every key is checked here, once, and a bad value is a
-`ConfigError` naming the key. Nothing below the edge reads the environment.
+`DaemonConfigError` naming the key. Nothing below the edge reads the environment.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge_schema.messages import MAX_DECODE_STEPS
-from host.daemon.errors import ConfigError
+from host.daemon.errors import DaemonConfigError
 from host.driver_link import BUILTIN_DRIVERS
 from host.sandbox.config import MIB, SandboxConfig, default_cache_dir
 
@@ -120,7 +120,7 @@ def load_config(
         if value is None:
             continue
         if key not in KEYS:
-            raise ConfigError(key, "unknown configuration key")
+            raise DaemonConfigError(key, "unknown configuration key")
         raw[key] = value
     return _build(raw)
 
@@ -130,12 +130,12 @@ def _read_file(path: Path) -> dict[str, Any]:
         with path.open("rb") as f:
             data = tomllib.load(f)
     except OSError as exc:
-        raise ConfigError("config", f"cannot read {path}: {exc.strerror or exc}") from None
+        raise DaemonConfigError("config", f"cannot read {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
+        raise DaemonConfigError("config", f"{path} is not valid TOML: {exc}") from None
     unknown = sorted(set(data) - set(KEYS))
     if unknown:
-        raise ConfigError(unknown[0], f"unknown key in {path} (known keys: {', '.join(KEYS)})")
+        raise DaemonConfigError(unknown[0], f"unknown key in {path} (known keys: {', '.join(KEYS)})")
     return data
 
 
@@ -149,22 +149,24 @@ def _from_env(key: str, value: str) -> Any:
         try:
             return shlex.split(value)
         except ValueError as exc:
-            raise ConfigError(key, f"cannot split {value!r} into arguments: {exc}") from None
+            raise DaemonConfigError(key, f"cannot split {value!r} into arguments: {exc}") from None
     if isinstance(default, bool):
         word = value.strip().lower()
         if word not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-            raise ConfigError(key, f"expected true or false, got {value!r} (from {ENV_PREFIX}{key.upper()})")
+            raise DaemonConfigError(key, f"expected true or false, got {value!r} (from {ENV_PREFIX}{key.upper()})")
         return word in ("1", "true", "yes", "on")
     if isinstance(default, int):
         try:
             return int(value.strip())
         except ValueError:
-            raise ConfigError(key, f"expected an integer, got {value!r} (from {ENV_PREFIX}{key.upper()})") from None
+            raise DaemonConfigError(
+                key, f"expected an integer, got {value!r} (from {ENV_PREFIX}{key.upper()})"
+            ) from None
     if isinstance(default, float):
         try:
             return float(value.strip())
         except ValueError:
-            raise ConfigError(key, f"expected a number, got {value!r} (from {ENV_PREFIX}{key.upper()})") from None
+            raise DaemonConfigError(key, f"expected a number, got {value!r} (from {ENV_PREFIX}{key.upper()})") from None
     return value
 
 
@@ -186,43 +188,44 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
     kind = type(default)
     if isinstance(default, bool):
         if not isinstance(value, bool):
-            raise ConfigError(key, f"expected true or false, got {value!r}")
+            raise DaemonConfigError(key, f"expected true or false, got {value!r}")
         return value
     if isinstance(default, int):
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(key, f"expected an integer, got {value!r}")
+            raise DaemonConfigError(key, f"expected an integer, got {value!r}")
         return value
     if isinstance(default, float):
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(key, f"expected a number, got {value!r}")
+            raise DaemonConfigError(key, f"expected a number, got {value!r}")
         return float(value)
     if isinstance(default, tuple):
         if isinstance(value, str):
             value = [value]
         if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(key, f"expected a list of strings, got {value!r}")
+            raise DaemonConfigError(key, f"expected a list of strings, got {value!r}")
         return tuple(value)
     if isinstance(default, Path):
         if not isinstance(value, str | Path) or not str(value):
-            raise ConfigError(key, f"expected a path, got {value!r}")
+            raise DaemonConfigError(key, f"expected a path, got {value!r}")
         return Path(value).expanduser()
     if not isinstance(value, str):
-        raise ConfigError(key, f"expected a string, got {value!r}")
+        raise DaemonConfigError(key, f"expected a string, got {value!r}")
     assert kind is str
     return value
 
 
 def _check(c: DaemonConfig) -> None:
     if not 0 <= c.port <= 65535:
-        raise ConfigError("port", f"must be between 0 and 65535, got {c.port}")
+        raise DaemonConfigError("port", f"must be between 0 and 65535, got {c.port}")
     if not c.host:
-        raise ConfigError("host", "must not be empty")
+        raise DaemonConfigError("host", "must not be empty")
     if any(not k or k != k.strip() for k in c.api_keys):
-        raise ConfigError("api_keys", "keys must be non-empty and have no surrounding whitespace")
+        raise DaemonConfigError("api_keys", "keys must be non-empty and have no surrounding whitespace")
     if c.driver not in BUILTIN_DRIVERS and not c.driver.startswith(("unix:", "tcp:")):
-        raise ConfigError("driver", f"use {' or '.join(BUILTIN_DRIVERS)}, unix:PATH or tcp:HOST:PORT; got {c.driver!r}")
+        drivers = " or ".join(BUILTIN_DRIVERS)
+        raise DaemonConfigError("driver", f"use {drivers}, unix:PATH or tcp:HOST:PORT; got {c.driver!r}")
     if c.model and c.driver != "torch":
-        raise ConfigError("model", f"only the torch driver loads a model (driver is {c.driver!r})")
+        raise DaemonConfigError("model", f"only the torch driver loads a model (driver is {c.driver!r})")
     minimums: dict[str, float] = {
         "speculation_depth": 0,
         "max_decode_steps": 1,
@@ -243,18 +246,18 @@ def _check(c: DaemonConfig) -> None:
     }
     for key, minimum in minimums.items():
         if getattr(c, key) < minimum:
-            raise ConfigError(key, f"must be at least {minimum:g}, got {getattr(c, key)}")
+            raise DaemonConfigError(key, f"must be at least {minimum:g}, got {getattr(c, key)}")
     if c.max_decode_steps > MAX_DECODE_STEPS:
-        raise ConfigError("max_decode_steps", f"must be at most {MAX_DECODE_STEPS}, got {c.max_decode_steps}")
+        raise DaemonConfigError("max_decode_steps", f"must be at most {MAX_DECODE_STEPS}, got {c.max_decode_steps}")
     for key in ("run_max_pages_fraction", "key_max_pages_fraction"):
         if not 0 < getattr(c, key) <= 1:
-            raise ConfigError(key, f"must be in (0, 1], got {getattr(c, key)}")
+            raise DaemonConfigError(key, f"must be in (0, 1], got {getattr(c, key)}")
     for key in ("run_timeout_s", "run_watchdog_s", "driver_startup_timeout_s"):
         if getattr(c, key) <= 0:
-            raise ConfigError(key, f"must be positive, got {getattr(c, key)}")
+            raise DaemonConfigError(key, f"must be positive, got {getattr(c, key)}")
     if c.restart_backoff_max_s < c.restart_backoff_initial_s:
-        raise ConfigError("restart_backoff_max_s", "must be at least restart_backoff_initial_s")
+        raise DaemonConfigError("restart_backoff_max_s", "must be at least restart_backoff_initial_s")
     if c.log_level not in LOG_LEVELS:
-        raise ConfigError("log_level", f"use one of {', '.join(LOG_LEVELS)}; got {c.log_level!r}")
+        raise DaemonConfigError("log_level", f"use one of {', '.join(LOG_LEVELS)}; got {c.log_level!r}")
     if c.log_format not in LOG_FORMATS:
-        raise ConfigError("log_format", f"use one of {', '.join(LOG_FORMATS)}; got {c.log_format!r}")
+        raise DaemonConfigError("log_format", f"use one of {', '.join(LOG_FORMATS)}; got {c.log_format!r}")

@@ -1,9 +1,9 @@
 """Errors of the daemon, and the one place their wire form (the OpenAI error envelope) is drawn.
 
 DaemonError                  root of everything the daemon raises
-├── ConfigError              the configuration (file, environment, flags) is invalid
+├── DaemonConfigError        the configuration (file, environment, flags) is invalid
 └── ApiError                 an HTTP request fails; carries status, type, param and code
-    ├── InvalidRequest       400: bad types, ranges, unsupported or inconsistent fields
+    ├── BadRequest           400: bad types, ranges, unsupported or inconsistent fields
     ├── Unauthorized         401: no or a wrong API key
     ├── Forbidden            403: the endpoint is disabled by the configuration
     ├── NotFound             404: unknown model, inferlet or run
@@ -24,7 +24,7 @@ class DaemonError(Exception):
     """Root of every error the daemon raises."""
 
 
-class ConfigError(DaemonError):
+class DaemonConfigError(DaemonError):
     """`key` names the configuration key at fault (as written in the TOML file)."""
 
     def __init__(self, key: str, message: str) -> None:
@@ -46,7 +46,7 @@ class ApiError(DaemonError):
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
 
-class InvalidRequest(ApiError):
+class BadRequest(ApiError):
     status = 400
     error_type = "invalid_request_error"
 

@@ -10,7 +10,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from host.daemon.daemon import Daemon
-from host.daemon.errors import InvalidRequest
+from host.daemon.errors import BadRequest
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -40,23 +40,23 @@ async def parse_body(request: Request, model: type[M]) -> M:
         raise validation_error(exc) from None
 
 
-def validation_error(exc: ValidationError) -> InvalidRequest:
+def validation_error(exc: ValidationError) -> BadRequest:
     """The first problem, worded for a person, with the field path as `param`."""
     first = exc.errors(include_url=False)[0]
     loc = [str(p) for p in first.get("loc", ()) if not _is_union_tag(p)]
     param = ".".join(loc) if loc else None
     kind = first.get("type", "")
     if kind == "json_invalid":
-        return InvalidRequest(f"the request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
+        return BadRequest(f"the request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
     if kind == "extra_forbidden":
-        return InvalidRequest(f"Unrecognized request argument supplied: {param}", param=param)
+        return BadRequest(f"Unrecognized request argument supplied: {param}", param=param)
     if kind == "missing":
-        return InvalidRequest(f"Missing required parameter: '{param}'", param=param, code="missing_required_parameter")
+        return BadRequest(f"Missing required parameter: '{param}'", param=param, code="missing_required_parameter")
     if kind == "model_type" and not loc:
-        return InvalidRequest("the request body must be a JSON object", code="invalid_json")
+        return BadRequest("the request body must be a JSON object", code="invalid_json")
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     where = f"'{param}'" if param else "the request"
-    return InvalidRequest(f"Invalid value for {where}: {message}", param=param, code="invalid_value")
+    return BadRequest(f"Invalid value for {where}: {message}", param=param, code="invalid_value")
 
 
 def _is_union_tag(part: object) -> bool:

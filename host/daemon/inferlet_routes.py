@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 from host.daemon.daemon import CHAT_INFERLET, ENGINE_WAIT_S
-from host.daemon.errors import InvalidRequest, RunInboxFull
+from host.daemon.errors import BadRequest, RunInboxFull
 from host.daemon.http_util import SSE_HEADERS, daemon_of, key_id_of, parse_body, sse
 from host.sandbox.errors import InboxFull
 
@@ -90,7 +90,7 @@ async def start_run(request: Request) -> JSONResponse:
 @router.get("/v1/runs", summary="List runs and their states")
 async def list_runs(request: Request, kind: str | None = None) -> dict[str, Any]:
     if kind not in (None, "inferlet", "chat"):
-        raise InvalidRequest("kind is 'inferlet' or 'chat'", param="kind")
+        raise BadRequest("kind is 'inferlet' or 'chat'", param="kind")
     return {"object": "list", "data": [r.describe() for r in daemon_of(request).runs.list(kind, key_id_of(request))]}
 
 
@@ -137,9 +137,9 @@ async def send_message(request: Request, run_id: int) -> dict[str, Any]:
     record = daemon_of(request).runs.get(run_id, key_id_of(request))
     body = await parse_body(request, RunMessage)
     if body.message is None and not body.close:
-        raise InvalidRequest("send a message, or close: true", param="message")
+        raise BadRequest("send a message, or close: true", param="message")
     if record.outcome is not None:
-        raise InvalidRequest(f"run {run_id} has ended ({record.state.value})", param="run_id", code="run_ended")
+        raise BadRequest(f"run {run_id} has ended ({record.state.value})", param="run_id", code="run_ended")
     if body.message is not None:
         try:
             record.log.push(body.message)

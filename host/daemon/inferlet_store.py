@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from host.daemon.errors import InvalidRequest, NotFound
+from host.daemon.errors import BadRequest, NotFound
 from host.sandbox import ComponentLoadError, LoadedInferlet, Sandbox
 
 _ID = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -82,7 +82,7 @@ class InferletStore:
         (an API key's id; `shared`: for every key). Returns the entry and whether it was new to
         this owner. Bytes that are not a component are refused with a 400."""
         if not data:
-            raise InvalidRequest("the upload is empty: send the component's bytes as the body", param="body")
+            raise BadRequest("the upload is empty: send the component's bytes as the body", param="body")
         inferlet_id = f"sha256:{hashlib.sha256(data).hexdigest()}"
         path = self._path(inferlet_id)
         with self._lock:
@@ -96,7 +96,7 @@ class InferletStore:
                     tmp.unlink(missing_ok=True)
                     # The message names the file: the client sees "the upload", never a server path.
                     reason = str(exc).replace(str(tmp), "the upload")
-                    raise InvalidRequest(f"not a loadable WebAssembly component: {reason}", param="body") from None
+                    raise BadRequest(f"not a loadable WebAssembly component: {reason}", param="body") from None
                 os.replace(tmp, path)
             was_visible = not is_new and self._access(inferlet_id).allows(owner)
             self._grant(inferlet_id, owner, shared, is_new)
@@ -108,7 +108,7 @@ class InferletStore:
             return self._sandbox.load(path)
         except ComponentLoadError as exc:
             reason = str(exc).replace(str(path), "the stored component")
-            raise InvalidRequest(f"inferlet {inferlet_id} cannot be loaded: {reason}", param="inferlet") from None
+            raise BadRequest(f"inferlet {inferlet_id} cannot be loaded: {reason}", param="inferlet") from None
 
     def get(self, inferlet_id: str, owner: str = "") -> StoredInferlet:
         return self._entry(inferlet_id, self._existing(inferlet_id, owner))
@@ -124,7 +124,7 @@ class InferletStore:
 
     def _existing(self, inferlet_id: str, owner: str) -> Path:
         if not _ID.match(inferlet_id):
-            raise InvalidRequest(
+            raise BadRequest(
                 f"inferlet ids look like 'sha256:<64 hex digits>', got {inferlet_id!r}", param="inferlet"
             )
         path = self._path(inferlet_id)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from jsonschema import Draft202012Validator, validators
 from jsonschema.exceptions import SchemaError
 
-from host.daemon.errors import InvalidRequest, NotFound
+from host.daemon.errors import BadRequest, NotFound
 from host.daemon.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -76,7 +76,7 @@ def prepare_chat(
     grammar = _check_response_format(req, json_object_requires_json_word)
     tools_grammar, tool_call = _check_tools(req)
     if grammar is not None and tools_grammar is not None:
-        raise InvalidRequest(
+        raise BadRequest(
             "response_format and tools cannot both constrain the output; use one", param="response_format"
         )
     grammar = grammar or tools_grammar
@@ -87,7 +87,7 @@ def prepare_chat(
         and req.max_completion_tokens is not None
         and req.max_tokens != req.max_completion_tokens
     ):
-        raise InvalidRequest(
+        raise BadRequest(
             "max_tokens and max_completion_tokens disagree; set only max_completion_tokens",
             param="max_completion_tokens",
         )
@@ -96,7 +96,7 @@ def prepare_chat(
         text = tokenizer.apply_chat_template([(r, c) for r, c in messages], True)
         prompt = tokenizer.encode(text)
     except HostError as exc:
-        raise InvalidRequest(f"the messages cannot be rendered: {exc}", param="messages") from None
+        raise BadRequest(f"the messages cannot be rendered: {exc}", param="messages") from None
     limit = req.max_completion_tokens or req.max_tokens
     max_tokens = _fit_context(len(prompt), limit, model.max_context, "messages")
     top = req.top_logprobs or 0
@@ -110,10 +110,10 @@ def prepare_chat(
 def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Tokenizer, grammars: GrammarSource) -> Job:
     _check_unsupported_sampling(req.frequency_penalty, req.presence_penalty, req.logit_bias)
     if req.suffix:
-        raise InvalidRequest("suffix is not supported", param="suffix", code="unsupported_parameter")
+        raise BadRequest("suffix is not supported", param="suffix", code="unsupported_parameter")
     n = req.n or 1
     if req.best_of is not None and req.best_of != n:
-        raise InvalidRequest("best_of other than n is not supported", param="best_of", code="unsupported_parameter")
+        raise BadRequest("best_of other than n is not supported", param="best_of", code="unsupported_parameter")
     prompts: list[dict[str, Any]] = []
     counts: list[int] = []
     echo: list[str] = []
@@ -125,14 +125,14 @@ def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Toke
         else:
             bad = [t for t in raw if t >= model.vocab_size]
             if bad:
-                raise InvalidRequest(
+                raise BadRequest(
                     f"token id {bad[0]} is outside the vocabulary of {model.vocab_size}", param="prompt"
                 )
             tokens = raw
             prompts.append({"tokens": raw})
             echo.append(tokenizer.decode(raw) if req.echo else "")
         if not tokens:
-            raise InvalidRequest("the prompt is empty", param="prompt")
+            raise BadRequest("the prompt is empty", param="prompt")
         counts.append(len(tokens))
     limit = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     max_tokens = _fit_context(max(counts), limit, model.max_context, "prompt")
@@ -184,7 +184,7 @@ def _fit_context(num_prompt: int, limit: int | None, max_context: int, param: st
     """The completion budget: `limit` if prompt + limit fits the context, else a 400."""
     if limit is None:
         if num_prompt >= max_context:
-            raise InvalidRequest(
+            raise BadRequest(
                 f"This model's maximum context length is {max_context} tokens. However, your {param} "
                 f"resulted in {num_prompt} tokens, which leaves no room for a completion.",
                 param=param,
@@ -192,7 +192,7 @@ def _fit_context(num_prompt: int, limit: int | None, max_context: int, param: st
             )
         return max_context - num_prompt
     if num_prompt + limit > max_context:
-        raise InvalidRequest(
+        raise BadRequest(
             f"This model's maximum context length is {max_context} tokens. However, you requested "
             f"{num_prompt + limit} tokens ({num_prompt} in the {param}, {limit} in the completion). "
             f"Please reduce the length of the {param} or the completion.",
@@ -216,15 +216,15 @@ def _message_text(message: Any) -> str:
 
 def _check_unsupported_sampling(frequency: float | None, presence: float | None, bias: dict[str, int] | None) -> None:
     if frequency:
-        raise InvalidRequest(
+        raise BadRequest(
             "frequency_penalty is not supported (only 0)", param="frequency_penalty", code="unsupported_parameter"
         )
     if presence:
-        raise InvalidRequest(
+        raise BadRequest(
             "presence_penalty is not supported (only 0)", param="presence_penalty", code="unsupported_parameter"
         )
     if bias:
-        raise InvalidRequest("logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
+        raise BadRequest("logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
 
 
 def _check_schema(schema: dict[str, Any], param: str) -> None:
@@ -234,7 +234,7 @@ def _check_schema(schema: dict[str, Any], param: str) -> None:
         validators.validator_for(schema, default=Draft202012Validator).check_schema(schema)
     except SchemaError as exc:
         where = "/".join(str(p) for p in exc.path)
-        raise InvalidRequest(
+        raise BadRequest(
             f"invalid JSON schema{f' at {where}' if where else ''}: {exc.message}", param=param, code="invalid_schema"
         ) from None
 
@@ -257,7 +257,7 @@ def _check_response_format(req: ChatCompletionRequest, requires_json_word: bool)
     if isinstance(fmt, JsonObjectFormat):
         if requires_json_word and not any("json" in _message_text(m).lower() for m in req.messages):
             # The OpenAI API insists on this, so that the model is told to write JSON.
-            raise InvalidRequest(
+            raise BadRequest(
                 "'messages' must contain the word 'json' in some form, to use 'response_format' of type 'json_object'",
                 param="messages",
             )
@@ -272,25 +272,25 @@ def _compile(grammars: GrammarSource, grammar: dict[str, Any]) -> None:
         grammars().compile(grammar["kind"].replace("-", "_"), grammar["text"], grammar["options"])
     except HostError as exc:
         param = "tools" if grammar["kind"] == "tool-call" else "response_format"
-        raise InvalidRequest(f"the JSON schema cannot be enforced: {exc}", param=param, code="invalid_schema") from None
+        raise BadRequest(f"the JSON schema cannot be enforced: {exc}", param=param, code="invalid_schema") from None
 
 
 def _check_tools(req: ChatCompletionRequest) -> tuple[dict[str, Any] | None, str]:
     """The tool-call grammar and mode ("forced" or "auto"), or (None, "") for plain text."""
     if req.tools is not None and not req.tools:
-        raise InvalidRequest("tools must name at least one function (or be left out)", param="tools")
+        raise BadRequest("tools must name at least one function (or be left out)", param="tools")
     if not req.tools:
         return None, ""
     names = set()
     for i, tool in enumerate(req.tools):
         if tool.function.name in names:
-            raise InvalidRequest(f"duplicate tool name {tool.function.name!r}", param=f"tools[{i}].function.name")
+            raise BadRequest(f"duplicate tool name {tool.function.name!r}", param=f"tools[{i}].function.name")
         names.add(tool.function.name)
         if tool.function.parameters is not None:
             _check_schema(tool.function.parameters, f"tools[{i}].function.parameters")
     choice = req.tool_choice
     if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-        raise InvalidRequest(
+        raise BadRequest(
             f"tool_choice names function {choice.function.name!r}, which is not in tools",
             param="tool_choice",
         )

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from host.daemon.config import DaemonConfig, load_config
-from host.daemon.errors import ConfigError
+from host.daemon.errors import DaemonConfigError
 
 
 def test_defaults() -> None:
@@ -66,7 +66,7 @@ def test_torch_model_becomes_a_driver_option() -> None:
     ],
 )
 def test_bad_values_name_the_key(flags: dict[str, object], env: dict[str, str], key: str) -> None:
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(DaemonConfigError) as info:
         load_config(flags, environ=env)
     assert info.value.key == key
     assert repr(key) in str(info.value)
@@ -75,16 +75,16 @@ def test_bad_values_name_the_key(flags: dict[str, object], env: dict[str, str], 
 def test_bad_file(tmp_path: Path) -> None:
     path = tmp_path / "wafer.toml"
     path.write_text("port = [\n")
-    with pytest.raises(ConfigError, match="not valid TOML"):
+    with pytest.raises(DaemonConfigError, match="not valid TOML"):
         load_config({}, environ={}, config_path=path)
     path.write_text("prot = 1\n")
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(DaemonConfigError) as info:
         load_config({}, environ={}, config_path=path)
     assert info.value.key == "prot"
-    with pytest.raises(ConfigError, match="cannot read"):
+    with pytest.raises(DaemonConfigError, match="cannot read"):
         load_config({}, environ={}, config_path=tmp_path / "missing.toml")
     path.write_text('port = "80"\n')  # a file has types: a string is not a port
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(DaemonConfigError) as info:
         load_config({}, environ={}, config_path=path)
     assert info.value.key == "port"
 

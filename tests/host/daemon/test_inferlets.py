@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from host.daemon.errors import InvalidRequest
+from host.daemon.errors import BadRequest
 from host.daemon.inferlet_store import InferletStore
 from host.sandbox import Sandbox, SandboxConfig
 from host.sandbox.config import MIB
@@ -185,7 +185,7 @@ def test_an_upload_too_costly_to_compile_is_refused_naming_the_budget(server: Se
     upload is a clear refusal, nothing is stored, and the server's path is never shown."""
     with Sandbox(SandboxConfig(cache_dir=tmp_path / "cache", compile_memory_bytes=100 * MIB)) as sandbox:
         store = InferletStore(tmp_path / "store", sandbox)
-        with pytest.raises(InvalidRequest, match=r"needs more than 100 MiB \(component_compile_mib\)") as info:
+        with pytest.raises(BadRequest, match=r"needs more than 100 MiB \(component_compile_mib\)") as info:
             store.add(server.echo_wasm.read_bytes())
         assert str(tmp_path) not in str(info.value) and store.list() == []
     with server.http() as http:  # the server itself keeps serving

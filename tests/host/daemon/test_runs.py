@@ -12,7 +12,7 @@ import pytest
 
 from host.daemon import runs as runs_module
 from host.daemon.config import load_config
-from host.daemon.errors import InvalidRequest, TooManyRuns
+from host.daemon.errors import BadRequest, TooManyRuns
 from host.daemon.runs import RunRecord, RunRegistry
 from host.sandbox import RunOutcome, RunStatus
 
@@ -101,13 +101,13 @@ def test_the_run_limit_comes_before_preparation_and_a_refused_one_admits_nothing
     runs, sandbox, _ = registry(1)
 
     def refuse(_engine: Any) -> tuple[list[str], None]:
-        raise InvalidRequest("bad request")
+        raise BadRequest("bad request")
 
     def accept(_engine: Any) -> tuple[list[str], None]:
         return [], None
 
     async def scenario() -> RunRecord:
-        with pytest.raises(InvalidRequest):
+        with pytest.raises(BadRequest):
             await runs.start(object(), "chat", "chat", 1.0, refuse)
         assert runs.num_running == 0 and sandbox.handles == []
         record, _ = await runs.start(object(), "chat", "chat", 1.0, accept)
@@ -116,7 +116,7 @@ def test_the_run_limit_comes_before_preparation_and_a_refused_one_admits_nothing
 
         def spy(engine: Any) -> tuple[list[str], None]:
             prepared.append(engine)
-            raise InvalidRequest("bad request")
+            raise BadRequest("bad request")
 
         with pytest.raises(TooManyRuns):
             await runs.start(object(), "chat", "chat", 1.0, spy)

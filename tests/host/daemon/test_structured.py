@@ -8,7 +8,7 @@ import json
 import jsonschema
 import pytest
 
-from host.daemon.errors import InvalidRequest
+from host.daemon.errors import BadRequest
 from host.daemon.openai_models import ChatCompletionRequest
 from host.daemon.openai_prepare import prepare_chat
 from tests.host.daemon.conftest import Server
@@ -89,7 +89,7 @@ def test_json_object_needs_no_word_json_unless_configured(server: Server) -> Non
     )
     assert server.daemon is not None
     engine, _ = server.daemon.supervisor.engine(timeout_s=30)
-    with pytest.raises(InvalidRequest, match="must contain the word 'json'") as info:
+    with pytest.raises(BadRequest, match="must contain the word 'json'") as info:
         prepare_chat(req, engine.model, engine.tokenizer, engine.grammars, json_object_requires_json_word=True)
     assert info.value.param == "messages"
 

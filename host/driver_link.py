@@ -7,12 +7,12 @@ The host never imports `drivers` statically: a driver is named by module and sta
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -26,6 +26,7 @@ from bridge_schema.client import Client
 from bridge_schema.errors import BridgeError, RemoteError
 from bridge_schema.messages import Ack, Handshake, Hello, Message, Shutdown
 from bridge_schema.transport import Connection, connect, loopback_pair, parse_address
+from host.driver_process import driver_argv, output_tail, socket_path, stop_process
 from host.errors import DriverFailed, InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -130,7 +131,7 @@ async def _subprocess(spec: DriverSpec) -> AsyncIterator[DriverLink]:
     workdir = tempfile.mkdtemp(prefix="wafer-driver-")
     address = f"unix:{os.path.join(workdir, 'driver.sock')}"
     log_path = os.path.join(workdir, "driver.log")
-    argv = [sys.executable, "-m", spec.module_name, "--listen", address, *spec.args]
+    argv = driver_argv(spec.module_name, address, spec.args)
     description = f"{spec.module_name} (pid pending)"
     with open(log_path, "wb") as log_file:
         # stderr goes to a file: a pipe nobody reads would stall a chatty driver.
@@ -144,33 +145,26 @@ async def _subprocess(spec: DriverSpec) -> AsyncIterator[DriverLink]:
             finally:
                 await _ask_shutdown(link)
     finally:
-        await _stop_process(proc)
+        with anyio.CancelScope(shield=True):  # reaped even when the caller was cancelled
+            await anyio.to_thread.run_sync(functools.partial(stop_process, proc, exit_grace_s=2.0, terminate_s=2.0))
         shutil.rmtree(workdir, ignore_errors=True)
 
 
 async def _wait_for_socket(proc: subprocess.Popen[bytes], address: str, log_path: str, timeout_s: float) -> Connection:
-    path = address.removeprefix("unix:")
+    path = socket_path(address)
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            raise DriverFailed(f"driver exited with status {proc.returncode} before listening:\n{_tail(log_path)}")
+            tail = output_tail(log_path)
+            raise DriverFailed(f"driver exited with status {proc.returncode} before listening:\n{tail}")
         if os.path.exists(path):
             try:
                 return await connect(address)
             except BridgeError:
                 pass  # the socket file exists a moment before it accepts
         if time.monotonic() > deadline:
-            raise DriverFailed(f"driver did not listen on {address} within {timeout_s:g} s:\n{_tail(log_path)}")
+            raise DriverFailed(f"driver did not listen on {address} within {timeout_s:g} s:\n{output_tail(log_path)}")
         await anyio.sleep(0.02)
-
-
-def _tail(path: str, num_bytes: int = 4000) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - num_bytes))
-            return f.read().decode("utf-8", errors="replace")
-    except OSError:
-        return "(no driver output)"
 
 
 async def _ask_shutdown(link: DriverLink) -> None:
@@ -178,21 +172,7 @@ async def _ask_shutdown(link: DriverLink) -> None:
         with anyio.move_on_after(2.0):
             await link.request(Shutdown(), Ack)
     except BridgeError:
-        pass  # already gone: _stop_process makes sure
-
-
-async def _stop_process(proc: subprocess.Popen[bytes]) -> None:
-    for _ in range(100):  # up to ~2 s for a clean exit after Shutdown
-        if proc.poll() is not None:
-            return
-        await anyio.sleep(0.02)
-    proc.terminate()
-    for _ in range(100):
-        if proc.poll() is not None:
-            return
-        await anyio.sleep(0.02)
-    proc.kill()
-    proc.wait()
+        pass  # already gone: stop_process makes sure
 
 
 # ---------------------------------------------------------------------- loopback

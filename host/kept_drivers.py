@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from host.driver_process import driver_argv, output_tail
 from host.errors import DriverFailed
 
 _POLL_S = 0.05
@@ -110,7 +111,7 @@ def start(
     address = f"unix:{sock}"
     with contextlib.suppress(FileNotFoundError):
         sock.unlink()
-    argv = [sys.executable, "-m", module, "--listen", address, *args]
+    argv = driver_argv(module, address, args)
     # posix_spawn, not Popen: the driver outlives this process, in a session of its own, and no
     # Popen object is left to complain that its child still runs.
     pid = os.posix_spawn(
@@ -129,7 +130,7 @@ def start(
     while not (sock.exists() and _accepts(str(sock))):
         exited, status = os.waitpid(pid, os.WNOHANG)
         if exited == pid:
-            tail = log_path.read_text(errors="replace")[-3000:]
+            tail = output_tail(log_path)
             code = os.waitstatus_to_exitcode(status)
             raise DriverFailed(f"the {name} driver exited with status {code} before listening:\n{tail}")
         if time.monotonic() > deadline:

@@ -11,7 +11,6 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -21,6 +20,7 @@ from typing import IO
 
 from host.daemon.config import DaemonConfig
 from host.daemon.errors import DriverUnavailable
+from host.driver_process import driver_argv, output_tail, socket_path, stop_process
 from host.engine import Engine, GrammarBudget
 from host.errors import HostError
 
@@ -185,7 +185,7 @@ class Supervisor:
             if engine is not None:
                 engine.close()  # fails every pass still waiting, so runs on it end now
             if proc is not None:
-                _stop_process(proc)
+                stop_process(proc)
             shutil.rmtree(workdir, ignore_errors=True)
 
     def _lose(self, generation: int, reason: str) -> None:
@@ -197,7 +197,7 @@ class Supervisor:
             self._on_lost(generation, reason)
 
     def _spawn(self, address: str, workdir: str) -> subprocess.Popen[bytes]:
-        argv = [sys.executable, "-m", f"drivers.{self._config.driver}", "--listen", address, *self._config.driver_argv]
+        argv = driver_argv(f"drivers.{self._config.driver}", address, self._config.driver_argv)
         # Its own session: a Ctrl-C meant for the daemon must not kill the driver before the
         # daemon has drained its runs.
         proc = subprocess.Popen(
@@ -214,7 +214,7 @@ class Supervisor:
         return proc
 
     def _wait_for_socket(self, proc: subprocess.Popen[bytes], address: str, workdir: str) -> None:
-        path = address.removeprefix("unix:")
+        path = socket_path(address)
         deadline = time.monotonic() + self._config.driver_startup_timeout_s
         while not os.path.exists(path):
             if proc.poll() is not None:
@@ -262,22 +262,5 @@ def _forward_output(stream: IO[bytes], log_path: str, pid: int) -> None:
         log_file.close()
 
 
-def _tail(workdir: str, num_bytes: int = 2000) -> str:
-    path = os.path.join(workdir, "driver.log")
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - num_bytes))
-            return f.read().decode("utf-8", errors="replace").strip() or "(no output)"
-    except OSError:
-        return "(no output)"
-
-
-def _stop_process(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def _tail(workdir: str) -> str:
+    return output_tail(os.path.join(workdir, "driver.log"), 2000)

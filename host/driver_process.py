@@ -1,0 +1,45 @@
+"""A driver as a child process: its command line, the tail of its output, and how it is stopped.
+
+One copy for the three places that start a driver: `wafer run`'s link (`driver_link.py`), the
+daemon's supervisor and `wafer driver start` (`kept_drivers.py`). Each waits for the driver's
+socket in its own way (async, on a thread, or for a process it does not own), so that stays there.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
+
+def driver_argv(module_name: str, address: str, args: Sequence[str]) -> list[str]:
+    """`python -m MODULE --listen ADDRESS ARGS...`, on this interpreter."""
+    return [sys.executable, "-m", module_name, "--listen", address, *args]
+
+
+def socket_path(address: str) -> str:
+    """The file of a `unix:PATH` address."""
+    return address.removeprefix("unix:")
+
+
+def output_tail(log_path: str | os.PathLike[str], num_bytes: int = 3000) -> str:
+    """The last `num_bytes` of a driver's output file, decoded: what its failure message quotes."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, os.path.getsize(log_path) - num_bytes))
+            return f.read().decode("utf-8", errors="replace").strip() or "(no driver output)"
+    except OSError:
+        return "(no driver output)"
+
+
+def stop_process(proc: subprocess.Popen[bytes], *, exit_grace_s: float = 0.0, terminate_s: float = 5.0) -> None:
+    """Wait up to `exit_grace_s` for a clean exit (after a Shutdown message), then SIGTERM, and
+    SIGKILL if it still runs `terminate_s` later. Returns once the process is reaped."""
+    for timeout_s, signal_next in ((exit_grace_s, proc.terminate), (terminate_s, proc.kill)):
+        try:
+            proc.wait(timeout=timeout_s)
+            return
+        except subprocess.TimeoutExpired:
+            signal_next()
+    proc.wait()

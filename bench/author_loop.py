@@ -42,7 +42,7 @@ def wafer(*argv: str) -> list[str]:
 def edit(folder: Path, i: int) -> None:
     app = folder / "app.py"
     lines = app.read_text().splitlines(keepends=True)
-    at = next(n for n, line in enumerate(lines) if "emit(f\"Hello" in line)
+    at = next(n for n, line in enumerate(lines) if 'emit(f"Hello' in line)
     lines[at] = f'    emit(f"Hello #{i}, {{name}}! This is {{model_info().name}}.\\n")\n'
     app.write_text("".join(lines))
 
@@ -92,7 +92,7 @@ def cli_loop(folder: Path, cache: Path, edits: int, snapshot: bool, start_index:
 def in_process_breakdown(folder: Path, cache: Path, edits: int, start_index: int) -> list[dict[str, float]]:
     """Where an edit's time goes, in one process (so without the interpreter's start)."""
     from host.build import build
-    from host.engine import Engine
+    from host.engine import Engine, EngineConfig
     from host.sandbox import BufferedRunIO, Sandbox, SandboxConfig
 
     rows = []
@@ -104,7 +104,7 @@ def in_process_breakdown(folder: Path, cache: Path, edits: int, start_index: int
         with Sandbox(SandboxConfig(cache_dir=cache)) as sandbox:
             loaded = sandbox.load(wasm)
             t2 = time.perf_counter()
-            with Engine.start("dummy") as engine:
+            with Engine.start(EngineConfig("dummy")) as engine:
                 t3 = time.perf_counter()
                 first = threading.Event()
                 io = BufferedRunIO(on_chunk=lambda _chunk, seen=first: seen.set())

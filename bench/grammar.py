@@ -220,7 +220,7 @@ def bench_decode(batches: list[int], tokens: int, repeat: int) -> list[dict[str,
     batch size alternated `repeat` times; tokens/s = tokens generated / wall seconds (medians)."""
     from bench.serve import TimedIO, chat_request
     from host.build import build
-    from host.engine import Engine
+    from host.engine import Engine, EngineConfig
     from host.sandbox.config import SandboxConfig, default_cache_dir
     from host.sandbox.sandbox import Sandbox
 
@@ -234,7 +234,9 @@ def bench_decode(batches: list[int], tokens: int, repeat: int) -> list[dict[str,
     print("  decode: starting the torch driver (SmolLM2) ...", file=sys.stderr, flush=True)
     with (
         Sandbox(SandboxConfig(cache_dir=default_cache_dir())) as sandbox,
-        Engine.start("torch", ["--dtype", "float32"], speculation_depth=1, startup_timeout_s=900) as engine,
+        Engine.start(
+            EngineConfig("torch", ["--dtype", "float32"], speculation_depth=1, startup_timeout_s=900)
+        ) as engine,
     ):
         component = sandbox.load(wasm)
         for round_ in range(repeat + 1):  # round 0 warms up (compiles, caches) and is not counted

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from host.build import build
-from host.engine import Engine
+from host.engine import Engine, EngineConfig
 from host.sandbox.config import SandboxConfig, default_cache_dir
 from host.sandbox.sandbox import Sandbox
 
@@ -106,7 +106,7 @@ def main() -> None:
         with Sandbox(config) as sandbox:
             text_component, hello_component = sandbox.load(text.wasm_path), sandbox.load(hello.wasm_path)
             for depth in (1, 0):
-                with Engine.start("dummy", DRIVER_ARGS, speculation_depth=depth) as engine:
+                with Engine.start(EngineConfig("dummy", DRIVER_ARGS, speculation_depth=depth)) as engine:
                     for loop, extra in LOOPS.items():
                         measure(sandbox, engine, text_component, 4, 20, extra)  # warm-up
                         for runs, tokens in CONFIGS:

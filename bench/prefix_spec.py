@@ -20,7 +20,7 @@ from pathlib import Path
 
 from bridge_schema.batch import OutputSpec, Sampler
 from host.build import build
-from host.engine import Engine
+from host.engine import Engine, EngineConfig
 from host.sandbox.config import SandboxConfig, default_cache_dir
 from host.sandbox.run_io import BufferedRunIO
 from host.sandbox.sandbox import Sandbox
@@ -67,7 +67,9 @@ def main() -> None:
     driver_args = ["--threads", str(args.threads), "--dtype", "float32", "--num-pages", "1024"]
     log(f"starting the torch driver with SmolLM2 ({args.threads} thread(s)) ...")
     with Engine.start(
-        "torch", driver_args, page_size=PAGE, prefix_match_unit=PAGE, speculation_depth=1, startup_timeout_s=600
+        EngineConfig(
+            "torch", driver_args, page_size=PAGE, prefix_match_unit=PAGE, speculation_depth=1, startup_timeout_s=600
+        )
     ) as engine:
         system_tokens = len(engine.tokenizer.encode(SYSTEM))
         log(f"time to first token, system prompt of {system_tokens} tokens ...")

@@ -31,7 +31,7 @@ from typing import Any
 import openai
 
 from host.build import build
-from host.engine import Engine
+from host.engine import Engine, EngineConfig
 from host.sandbox.config import SandboxConfig, default_cache_dir
 from host.sandbox.run_io import BufferedRunIO
 from host.sandbox.sandbox import Sandbox
@@ -142,7 +142,7 @@ def in_process(driver: str, driver_args: list[str], streams: int, tokens: int, m
     request = chat_request(QUESTION, tokens)
     with (
         Sandbox(SandboxConfig(cache_dir=default_cache_dir())) as sandbox,
-        Engine.start(driver, driver_args, speculation_depth=1, startup_timeout_s=600) as engine,
+        Engine.start(EngineConfig(driver, driver_args, speculation_depth=1, startup_timeout_s=600)) as engine,
     ):
         component = sandbox.load(wasm)
         ios = [TimedIO() for _ in range(streams)]

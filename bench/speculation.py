@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from host.build import build
-from host.engine import Engine
+from host.engine import Engine, EngineConfig
 from host.sandbox.config import SandboxConfig, default_cache_dir
 from host.sandbox.sandbox import Sandbox
 
@@ -43,7 +43,7 @@ def main() -> None:
         for latency in LATENCIES_MS:
             for depth in DEPTHS:
                 driver_args = ["--pass-latency-ms", str(latency)]
-                with Engine.start("dummy", driver_args, speculation_depth=depth) as engine:
+                with Engine.start(EngineConfig("dummy", driver_args, speculation_depth=depth)) as engine:
                     for runs in RUNS:
                         log(f"L={latency} ms, depth {depth}, {runs} run(s) ...")
                         before = engine.speculation_stats()

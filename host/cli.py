@@ -63,9 +63,7 @@ def _component_path(ns: argparse.Namespace) -> tuple[Path, Path | None]:
     target = Path(ns.inferlet)
     if target.suffix == ".wasm" and target.is_file():
         return target, None
-    result = build(
-        ns.inferlet, ns.cache_dir, _progress if ns.verbose else _quiet, snapshot=ns.snapshot, slow=_progress
-    )
+    result = build(ns.inferlet, ns.cache_dir, _progress if ns.verbose else _quiet, snapshot=ns.snapshot, slow=_progress)
     return result.wasm_path, resolve_inferlet(ns.inferlet)
 
 
@@ -93,14 +91,16 @@ def _console_io() -> BufferedRunIO:
 
 
 def _start_engine(ns: argparse.Namespace) -> Engine:
-    from host.engine import Engine  # the bridge and anyio, which `wafer build` does not need
+    from host.engine import Engine, EngineConfig  # the bridge and anyio, which `wafer build` does not need
 
     return Engine.start(
-        driver=_kept_or_fresh(ns),
-        driver_args=ns.driver_arg,
-        speculation_depth=ns.speculation_depth,
-        max_decode_steps=ns.max_decode_steps,
-        adapter_dir=ns.adapter_dir,
+        EngineConfig(
+            driver=_kept_or_fresh(ns),
+            driver_args=tuple(ns.driver_arg),
+            speculation_depth=ns.speculation_depth,
+            max_decode_steps=ns.max_decode_steps,
+            adapter_dir=ns.adapter_dir,
+        )
     )
 
 

@@ -9,11 +9,17 @@ writing into a shared page.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+
+import numpy as np
+import numpy.typing as npt
 
 from host.pages import PageTable
 from host.pass_check import CheckedPass
 from host.prefix_cache import ROOT, PrefixCache, page_key, page_keys
+
+_Ids = Sequence[int] | npt.NDArray[np.uint32]
 
 
 @dataclass(slots=True)
@@ -82,11 +88,11 @@ class PrefixReuse:
         )
         return reused, rest
 
-    def record(self, context_id: int, tokens: list[int], positions: list[int], adapter_id: int, masked: bool) -> None:
+    def record(self, context_id: int, tokens: _Ids, positions: _Ids, adapter_id: int, masked: bool) -> None:
         """Slots a pass adds to the context (at submission, or when a staged pass is served)."""
         h = self._history[context_id]
-        h.tokens.extend(tokens)
-        h.positions.extend(positions)
+        h.tokens.extend(tokens.tolist() if isinstance(tokens, np.ndarray) else tokens)
+        h.positions.extend(positions.tolist() if isinstance(positions, np.ndarray) else positions)
         h.adapters.extend([adapter_id] * len(tokens))
         h.is_masked = h.is_masked or masked
 
@@ -114,3 +120,35 @@ class PrefixReuse:
             "prefix_evictions": c.evictions,
             "prefix_cached_pages": len(c),
         }
+
+
+class NoPrefixReuse:
+    """Prefix reuse turned off (`prefix_match_unit` 0): the same events, none doing anything, so
+    the context lifecycle has one code path whether reuse is on or off."""
+
+    def on_create(self, context_id: int) -> None:
+        pass
+
+    def on_fork(self, src: int, dst: int) -> None:
+        pass
+
+    def on_truncate(self, context_id: int, length: int) -> None:
+        pass
+
+    def on_release_pages(self, context_id: int) -> None:
+        pass
+
+    def on_release(self, context_id: int) -> None:
+        pass
+
+    def reuse(self, context_id: int, checked: CheckedPass, adapter_id: int) -> tuple[int, CheckedPass]:
+        return 0, checked
+
+    def record(self, context_id: int, tokens: _Ids, positions: _Ids, adapter_id: int, masked: bool) -> None:
+        pass
+
+    def register_completed(self, context_id: int, end: int) -> None:
+        pass
+
+    def stats(self) -> dict[str, int]:
+        return {}

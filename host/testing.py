@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from host.build import build, resolve_inferlet, rewrite_guest_paths
-from host.engine import Engine
+from host.engine import Engine, EngineConfig
 from host.sandbox import BufferedRunIO, RunHandle, RunStatus, Sandbox, SandboxConfig
 from host.sandbox.config import MIB, default_cache_dir
 
@@ -120,7 +120,7 @@ class InferletRunner:
         )
         self._sandbox = Sandbox(self._config).__enter__()
         try:
-            self._engine = Engine.start("loopback", args, speculation_depth=self.speculation_depth)
+            self._engine = Engine.start(EngineConfig("loopback", tuple(args), speculation_depth=self.speculation_depth))
         except BaseException:
             self._sandbox.__exit__(None, None, None)
             raise

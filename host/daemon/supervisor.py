@@ -21,7 +21,7 @@ from typing import IO
 from host.daemon.config import DaemonConfig
 from host.daemon.errors import DriverUnavailable
 from host.driver_process import driver_argv, output_tail, socket_path, stop_process
-from host.engine import Engine, GrammarBudget
+from host.engine import Engine, EngineConfig, GrammarBudget
 from host.errors import HostError
 
 log = logging.getLogger("wafer.daemon.driver")
@@ -151,19 +151,21 @@ class Supervisor:
                     self._pid, self._proc = proc.pid, proc
                 self._wait_for_socket(proc, address, workdir)
             engine = Engine.start(
-                driver=address,
-                speculation_depth=self._config.speculation_depth,
-                max_decode_steps=self._config.max_decode_steps,
-                adapter_dir=self._config.adapter_dir,
-                max_loaded_adapters=self._config.max_loaded_adapters,
-                max_run_page_fraction=self._config.run_max_pages_fraction,
-                max_group_page_fraction=self._config.key_max_pages_fraction,
-                startup_timeout_s=self._config.driver_startup_timeout_s,
-                grammar_budget=GrammarBudget(
-                    self._config.grammar_compile_budget_s,
-                    self._config.grammar_max_mib,
-                    self._config.grammar_cache_mib,
-                ),
+                EngineConfig(
+                    driver=address,
+                    speculation_depth=self._config.speculation_depth,
+                    max_decode_steps=self._config.max_decode_steps,
+                    adapter_dir=self._config.adapter_dir,
+                    max_loaded_adapters=self._config.max_loaded_adapters,
+                    max_run_page_fraction=self._config.run_max_pages_fraction,
+                    max_group_page_fraction=self._config.key_max_pages_fraction,
+                    startup_timeout_s=self._config.driver_startup_timeout_s,
+                    grammar_budget=GrammarBudget(
+                        self._config.grammar_compile_budget_s,
+                        self._config.grammar_max_mib,
+                        self._config.grammar_cache_mib,
+                    ),
+                )
             )
             with self._cond:
                 self._generation += 1

@@ -11,7 +11,7 @@ import pytest
 from wasmtime.component import Component
 
 from host.build import build
-from host.engine import Engine
+from host.engine import Engine, EngineConfig
 from host.sandbox import Sandbox, SandboxConfig
 from host.sandbox.config import default_cache_dir
 
@@ -47,5 +47,5 @@ def components(sandbox: Sandbox, built: dict[str, Path]) -> dict[str, Component]
 @pytest.fixture(scope="session")
 def engine() -> Iterator[Engine]:
     # The dummy acks adapter loads without reading files: the directory need not exist.
-    with Engine.start(driver="dummy", speculation_depth=1, adapter_dir="/adapters") as eng:
+    with Engine.start(EngineConfig(driver="dummy", speculation_depth=1, adapter_dir="/adapters")) as eng:
         yield eng

@@ -12,7 +12,7 @@ import pytest
 
 from bridge_schema.batch import OutputSpec
 from host.build import build
-from host.engine import Engine
+from host.engine import Engine, EngineConfig
 from host.errors import InvalidRequest
 from host.sandbox import Sandbox
 from host.services import PassRequest
@@ -24,7 +24,7 @@ _runs = itertools.count(90_000)
 @pytest.fixture(scope="module")
 def small_engine() -> Iterator[Engine]:
     args = ["--page-size", str(PAGE), "--num-pages", str(NUM_PAGES)]
-    with Engine.start("dummy", args, speculation_depth=1) as e:
+    with Engine.start(EngineConfig("dummy", args, speculation_depth=1)) as e:
         yield e
 
 
@@ -76,7 +76,9 @@ def test_a_run_that_releases_pages_grows_within_its_quota() -> None:
     """The page quota counts what a run holds: released pages are given back, so a sinks +
     window run stays inside its share however long it decodes."""
     args = ["--page-size", str(PAGE), "--num-pages", str(NUM_PAGES)]
-    with Engine.start("dummy", args, speculation_depth=0, max_run_page_fraction=0.5) as e:  # 6 pages a run
+    with Engine.start(
+        EngineConfig("dummy", args, speculation_depth=0, max_run_page_fraction=0.5)
+    ) as e:  # 6 pages a run
         run = next(_runs)
         ctx = e.create_context(run)
         window = {"attention_window": 8, "attention_sinks": 4}

@@ -11,7 +11,7 @@ import pytest
 from wasmtime.component import Component
 
 from host.build import build
-from host.engine import Engine
+from host.engine import Engine, EngineConfig
 from host.sandbox import Sandbox, SandboxConfig
 from host.sandbox.outcome import RunStatus
 from host.sandbox.run_io import BufferedRunIO
@@ -76,7 +76,7 @@ def test_host_loop_streams_the_text_the_guest_loop_emits(
 
 
 def test_host_loop_out_of_pages_keeps_what_it_generated(sandbox: Sandbox, parity: Component) -> None:
-    with Engine.start(driver="dummy", driver_args=["--num-pages", "4"], speculation_depth=1) as small:
+    with Engine.start(EngineConfig(driver="dummy", driver_args=["--num-pages", "4"], speculation_depth=1)) as small:
         result = _message(sandbox, parity, small, ["exhaust"])
         assert "out of" in result["error"].lower(), result
         capacity = 4 * small.model.page_size
@@ -92,7 +92,7 @@ def test_host_loop_stops_at_the_runs_wall_clock_budget(
     """The host loop checks the run's budget between passes: a long generation on a slow driver
     ends TIMED_OUT after the budget (plus at most a pass), with what it streamed so far kept."""
     config = SandboxConfig(cache_dir=cache_dir, wall_budget_s=1.0, inactivity_timeout_s=30.0)
-    with Engine.start(driver="dummy", driver_args=["--pass-latency-ms", "20"]) as slow:
+    with Engine.start(EngineConfig(driver="dummy", driver_args=["--pass-latency-ms", "20"])) as slow:
         chunks: list[str] = []
         args = ["--prompt", "Once", "--max-tokens", "100000", "--ignore-eos"]
         io = BufferedRunIO(chunks.append)

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 from wasmtime.component import Component
 
-from host.engine import Engine
+from host.engine import Engine, EngineConfig
 from host.sandbox import BufferedRunIO, RunOutcome, RunStatus, Sandbox
 from host.services import ModelInfo, NextStep, PassRequest, PassResult, Tokenizer, generate_by_steps
 
@@ -234,7 +234,7 @@ def test_a_run_cancelled_while_its_pass_waits_ends_cancelled(
 ) -> None:
     """Cancel fails the pass the run is waiting for at a slow driver: the run ends CANCELLED at
     once, not as a failed pass, and not after the driver's 300 ms."""
-    with Engine.start(driver="dummy", driver_args=["--pass-latency-ms", "300"]) as slow:
+    with Engine.start(EngineConfig(driver="dummy", driver_args=["--pass-latency-ms", "300"])) as slow:
         io = BufferedRunIO()
         args = ["--prompt", "Once", "--max-tokens", "50"]
         handle = sandbox.start(components["text_completion"], slow, args, io=io)

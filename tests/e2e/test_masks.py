@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from host.build import build
-from host.engine import Engine
+from host.engine import Engine, EngineConfig
 from host.sandbox import Sandbox
 
 PAGE = 4
@@ -19,7 +19,9 @@ PAGE = 4
 @pytest.fixture(scope="module")
 def recording_engine() -> Iterator[Engine]:
     args = ["--page-size", str(PAGE), "--num-pages", "4096"]
-    with Engine.start("loopback", args, driver_module="tests.e2e.recording_driver", speculation_depth=1) as e:
+    with Engine.start(
+        EngineConfig("loopback", args, driver_module="tests.e2e.recording_driver", speculation_depth=1)
+    ) as e:
         yield e
 
 

@@ -14,7 +14,7 @@ import pytest
 from wasmtime.component import Component
 
 from host.build import build
-from host.engine import Engine
+from host.engine import Engine, EngineConfig
 from host.sandbox import Sandbox
 from host.sandbox.run_io import BufferedRunIO
 
@@ -29,7 +29,7 @@ JSON_PROMPT = "Describe a cat as a JSON object with its name, age and favourite 
 @pytest.fixture(scope="module")
 def torch_engine() -> Iterator[Engine]:
     args = ["--threads", "1", "--dtype", "float32"]
-    with Engine.start("torch", args, speculation_depth=1, startup_timeout_s=300) as e:
+    with Engine.start(EngineConfig("torch", args, speculation_depth=1, startup_timeout_s=300)) as e:
         yield e
 
 

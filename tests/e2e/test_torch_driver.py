@@ -12,7 +12,7 @@ import pytest
 from bridge_schema.batch import OutputSpec, Sampler
 from bridge_schema.messages import Probe
 from host.build import build
-from host.engine import Engine
+from host.engine import Engine, EngineConfig
 from host.sandbox import Sandbox
 from host.services import PassRequest
 
@@ -23,7 +23,9 @@ PAGE = 16
 @pytest.fixture(scope="module")
 def torch_engine() -> Iterator[Engine]:
     with Engine.start(
-        "torch", TORCH_ARGS, page_size=PAGE, prefix_match_unit=PAGE, speculation_depth=1, startup_timeout_s=300
+        EngineConfig(
+            "torch", TORCH_ARGS, page_size=PAGE, prefix_match_unit=PAGE, speculation_depth=1, startup_timeout_s=300
+        )
     ) as e:
         yield e
 
@@ -59,7 +61,9 @@ def test_speculation_changes_no_greedy_output(sandbox: Sandbox, cache_dir: Path,
     before = torch_engine.speculation_stats()["speculation_hits"]
     speculative = run(sandbox, cache_dir, torch_engine, "text_completion", args)
     assert torch_engine.speculation_stats()["speculation_hits"] - before >= 20  # it really speculated
-    with Engine.start("torch", TORCH_ARGS, page_size=PAGE, speculation_depth=0, startup_timeout_s=300) as cold:
+    with Engine.start(
+        EngineConfig("torch", TORCH_ARGS, page_size=PAGE, speculation_depth=0, startup_timeout_s=300)
+    ) as cold:
         assert run(sandbox, cache_dir, cold, "text_completion", args) == speculative
 
 

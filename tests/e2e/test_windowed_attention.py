@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from host.build import build
-from host.engine import Engine
+from host.engine import Engine, EngineConfig
 from host.sandbox import Sandbox
 
 PAGE = 4
@@ -22,7 +22,9 @@ WINDOW, SINKS, MAX_TOKENS = 8, 4, 24
 @pytest.fixture(scope="module")
 def recording_engine() -> Iterator[Engine]:
     args = ["--page-size", str(PAGE), "--num-pages", "4096"]
-    with Engine.start("loopback", args, driver_module="tests.e2e.recording_driver", speculation_depth=1) as e:
+    with Engine.start(
+        EngineConfig("loopback", args, driver_module="tests.e2e.recording_driver", speculation_depth=1)
+    ) as e:
         yield e
 
 

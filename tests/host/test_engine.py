@@ -18,7 +18,7 @@ import pytest
 
 from bridge_schema.batch import OutputSpec, Sampler
 from bridge_schema.messages import Probe
-from host.engine import Engine
+from host.engine import Engine, EngineConfig
 from host.errors import (
     ContextNotFound,
     ContextNotOwned,
@@ -38,7 +38,12 @@ _runs = itertools.count(1)
 def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
     # The dummy acks adapter loads without reading files: the directory need not exist.
     with Engine.start(
-        request.param, ["--num-pages", "512", "--page-size", str(PAGE)], adapter_dir="/adapters", max_loaded_adapters=2
+        EngineConfig(
+            request.param,
+            ["--num-pages", "512", "--page-size", str(PAGE)],
+            adapter_dir="/adapters",
+            max_loaded_adapters=2,
+        )
     ) as e:
         yield e
 
@@ -102,7 +107,7 @@ def test_writing_after_truncating_into_a_shared_page_sends_a_copy(engine: Engine
 
 
 def test_long_fill_is_chunked_under_the_driver_limit() -> None:
-    with Engine.start("loopback", ["--max-tokens-per-pass", "64", "--page-size", "8"]) as e:
+    with Engine.start(EngineConfig("loopback", ["--max-tokens-per-pass", "64", "--page-size", "8"])) as e:
         ctx = e.create_context(1)
         before = int(e.driver_health()["forwards"])
         fill(e, 1, ctx, [80] * 300)
@@ -141,7 +146,7 @@ def test_sixty_four_concurrent_runs_complete(engine: Engine) -> None:
 
 
 def test_out_of_pages_is_a_clear_error_and_changes_nothing() -> None:
-    with Engine.start("loopback", ["--num-pages", "4", "--page-size", "8"]) as e:
+    with Engine.start(EngineConfig("loopback", ["--num-pages", "4", "--page-size", "8"])) as e:
         ctx = e.create_context(1)
         fill(e, 1, ctx, [1] * 20)  # 3 of 4 pages
         with pytest.raises(OutOfPages, match="out of KV pages"):
@@ -280,7 +285,7 @@ def test_a_driver_that_dies_fails_passes_instead_of_hanging() -> None:
         while not os.path.exists(address[5:]):
             assert proc.poll() is None, "driver exited"
             time.sleep(0.02)
-        engine = Engine.start(address)
+        engine = Engine.start(EngineConfig(address))
         ctx = engine.create_context(1)
         fill(engine, 1, ctx, [1, 2])
         proc.kill()
@@ -299,7 +304,7 @@ def test_a_driver_that_dies_fails_passes_instead_of_hanging() -> None:
 
 
 def test_close_fails_waiting_passes() -> None:
-    engine = Engine.start("loopback", ["--pass-latency-ms", "50"])
+    engine = Engine.start(EngineConfig("loopback", ["--pass-latency-ms", "50"]))
     ctx = engine.create_context(1)
     outcome: list[object] = []
 
@@ -321,18 +326,18 @@ def test_close_fails_waiting_passes() -> None:
 
 def test_unknown_driver_names_are_refused() -> None:
     with pytest.raises(InvalidRequest, match="unknown driver"):
-        Engine.start("cuda")
+        Engine.start(EngineConfig("cuda"))
 
 
 @pytest.mark.parametrize("driver", ["dummy", "loopback"])
 def test_a_driver_that_fails_to_start_is_a_clear_error(driver: str) -> None:
     with pytest.raises(DriverFailed, match=r"(exited|rejected its options)"):
-        Engine.start(driver, ["--no-such-option"])
+        Engine.start(EngineConfig(driver, ["--no-such-option"]))
 
 
 def test_an_address_nobody_listens_on_is_a_clear_error() -> None:
     with pytest.raises(DriverFailed, match="cannot reach the driver"):
-        Engine.start(f"unix:{tempfile.mkdtemp()}/nobody.sock")
+        Engine.start(EngineConfig(f"unix:{tempfile.mkdtemp()}/nobody.sock"))
 
 
 def test_health_checks_and_adapter_loads_interleave_with_passes(engine: Engine) -> None:
@@ -369,7 +374,7 @@ def test_health_checks_and_adapter_loads_interleave_with_passes(engine: Engine) 
 
 
 def test_a_refused_request_fails_alone_when_batched_with_good_ones() -> None:
-    with Engine.start("loopback", ["--pass-latency-ms", "100"]) as e:
+    with Engine.start(EngineConfig("loopback", ["--pass-latency-ms", "100"])) as e:
         nothing_allowed = np.zeros((e.model.vocab_size + 31) // 32, dtype=np.uint32)
         slow, bad, good = (e.create_context(rid) for rid in (1, 2, 3))
         outcome: dict[str, object] = {}
@@ -399,11 +404,11 @@ def test_a_refused_request_fails_alone_when_batched_with_good_ones() -> None:
 def test_a_hello_the_driver_refuses_is_a_clear_error() -> None:
     with pytest.raises(DriverFailed, match=r"refused the hello.*prefix_match_unit"):
         # No page size asked for, so the configuration boundary cannot judge; the driver's does.
-        Engine.start("loopback", ["--page-size", "16"], prefix_match_unit=8, speculation_depth=1)
+        Engine.start(EngineConfig("loopback", ["--page-size", "16"], prefix_match_unit=8, speculation_depth=1))
 
 
 def test_fork_and_truncate_wait_for_no_one_they_refuse_while_a_pass_is_pending() -> None:
-    with Engine.start("loopback", ["--pass-latency-ms", "500"]) as e:
+    with Engine.start(EngineConfig("loopback", ["--pass-latency-ms", "500"])) as e:
         ctx = e.create_context(1)
         thread = threading.Thread(target=fill, args=(e, 1, ctx, [1, 2, 3]))
         thread.start()
@@ -423,7 +428,7 @@ def test_fork_and_truncate_wait_for_no_one_they_refuse_while_a_pass_is_pending()
 
 def test_a_run_cannot_hold_more_than_its_share_of_the_pages() -> None:
     # 16 pages of 4 tokens, half for one run: 8 pages (32 tokens) fit, the 33rd token does not.
-    with Engine.start("dummy", ["--num-pages", "16", "--page-size", "4"], max_run_page_fraction=0.5) as e:
+    with Engine.start(EngineConfig("dummy", ["--num-pages", "16", "--page-size", "4"], max_run_page_fraction=0.5)) as e:
         greedy, other = next(_runs), next(_runs)
         ctx = e.create_context(greedy)
         fill(e, greedy, ctx, [65] * 28)  # 7 pages
@@ -448,7 +453,7 @@ def test_the_runs_of_one_group_share_a_quota() -> None:
     # 16 pages of 4 tokens; a run may hold 12, a group 12: two runs of one group cannot take
     # more than 12 together, a run of another group still gets its pages.
     args = ["--num-pages", "16", "--page-size", "4"]
-    with Engine.start("dummy", args, max_run_page_fraction=0.75, max_group_page_fraction=0.75) as e:
+    with Engine.start(EngineConfig("dummy", args, max_run_page_fraction=0.75, max_group_page_fraction=0.75)) as e:
         first, second, stranger = next(_runs), next(_runs), next(_runs)
         for run, group in ((first, "key-a"), (second, "key-a"), (stranger, "key-b")):
             e.set_run_group(run, group)

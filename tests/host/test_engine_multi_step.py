@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from bridge_schema.batch import OutputSpec, Sampler
-from host.engine import Engine
+from host.engine import Engine, EngineConfig
 from host.errors import InvalidRequest, OutOfPages
 from host.services import PassRequest, PassResult
 
@@ -22,7 +22,7 @@ SAMPLERS = [Sampler(), Sampler.random(0.9, top_p=0.9, seed=5)]
 
 @pytest.fixture(scope="module", params=["dummy", "loopback"])
 def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
-    with Engine.start(request.param, ["--num-pages", "256", "--page-size", str(PAGE)]) as e:
+    with Engine.start(EngineConfig(request.param, ["--num-pages", "256", "--page-size", str(PAGE)])) as e:
         yield e
 
 
@@ -91,7 +91,7 @@ def test_a_generation_that_stops_inside_a_multi_step_pass_gives_back_the_rest(en
 
 
 def test_steps_are_clamped_to_the_free_pages_then_out_of_pages() -> None:
-    with Engine.start("dummy", ["--num-pages", "4", "--page-size", str(PAGE)]) as small:
+    with Engine.start(EngineConfig("dummy", ["--num-pages", "4", "--page-size", str(PAGE)])) as small:
         run = next(_runs)
         ctx, token = _prompt(small, run, Sampler())  # 5 of the 16 slots
         result = small.forward(run, ctx, _step(token, Sampler(), steps=40))
@@ -125,15 +125,15 @@ def test_multi_step_requests_that_are_not_plain_decoding_are_refused(engine: Eng
 
 
 def test_the_engine_asks_for_several_steps_only_once_passes_are_timed_short() -> None:
-    with Engine.start("dummy", ["--num-pages", "64"]) as fast:
+    with Engine.start(EngineConfig("dummy", ["--num-pages", "64"])) as fast:
         assert fast.max_decode_steps() == 1  # nothing measured yet
         run = next(_runs)
         _single_steps(fast, run, Sampler(), 4)
         assert fast.max_decode_steps() > 1  # the dummy answers in well under a millisecond
-    with Engine.start("dummy", ["--num-pages", "64", "--pass-latency-ms", "10"]) as slow:
+    with Engine.start(EngineConfig("dummy", ["--num-pages", "64", "--pass-latency-ms", "10"])) as slow:
         _single_steps(slow, next(_runs), Sampler(), 3)
         assert slow.max_decode_steps() == 1  # a 10 ms step already exceeds the budget
-    with Engine.start("dummy", ["--num-pages", "64"], max_decode_steps=1) as off:
+    with Engine.start(EngineConfig("dummy", ["--num-pages", "64"], max_decode_steps=1)) as off:
         _single_steps(off, next(_runs), Sampler(), 4)
         assert off.max_decode_steps() == 1
 
@@ -144,7 +144,9 @@ def test_multi_step_generations_and_speculation_interleave(depth: int) -> None:
     passes, with deferred tokens) and multi-step requests, and a generation stops inside a
     multi-step pass; every token is still what plain single steps give."""
     sampler = Sampler.random(0.9, seed=11)
-    with Engine.start("dummy", ["--num-pages", "256", "--page-size", str(PAGE)], speculation_depth=depth) as e:
+    with Engine.start(
+        EngineConfig("dummy", ["--num-pages", "256", "--page-size", str(PAGE)], speculation_depth=depth)
+    ) as e:
         run = next(_runs)
         expected = _single_steps(e, run, sampler, 40)
         ctx, token = _prompt(e, run, sampler)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from bridge_schema.batch import OutputSpec, Sampler
-from host.engine import Engine
+from host.engine import Engine, EngineConfig
 from host.errors import HostError, InvalidRequest
 from host.services import PassRequest
 
@@ -19,7 +19,7 @@ _runs = itertools.count(5000)
 
 def start(num_pages: int = 256, **kw: object) -> Engine:
     args = ["--num-pages", str(num_pages), "--page-size", str(PAGE)]
-    return Engine.start("loopback", args, prefix_match_unit=PAGE, **kw)  # type: ignore[arg-type]
+    return Engine.start(EngineConfig("loopback", args, prefix_match_unit=PAGE, **kw))  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,10 @@ def test_decoded_pages_are_named_too(engine: Engine) -> None:
 
 
 def test_eviction_under_page_pressure_keeps_every_run_correct() -> None:
-    with start(num_pages=12) as e, Engine.start("loopback", ["--num-pages", "12", "--page-size", str(PAGE)]) as plain:
+    with (
+        start(num_pages=12) as e,
+        Engine.start(EngineConfig("loopback", ["--num-pages", "12", "--page-size", str(PAGE)])) as plain,
+    ):
         for i in range(20):
             prompt = [(i * 37 + j) % 250 for j in range(9)]  # 3 pages each, mostly distinct
             run = next(_runs)
@@ -124,14 +127,16 @@ def test_full_page_unit_with_speculation_is_accepted() -> None:
 
 def test_sub_page_unit_is_rejected_at_configuration() -> None:
     with pytest.raises(InvalidRequest, match="configuration rejected"):
-        Engine.start("loopback", [], page_size=8, prefix_match_unit=4, speculation_depth=1)
+        Engine.start(EngineConfig("loopback", [], page_size=8, prefix_match_unit=4, speculation_depth=1))
 
 
 def test_sub_page_unit_is_rejected_by_the_driver_that_resolved_a_larger_page() -> None:
     # Asked for 4-token pages, the driver resolves 8: the unit 4 is now sub-page, and the driver
     # itself refuses the Hello.
     with pytest.raises(HostError, match="prefix_match_unit"):
-        Engine.start("loopback", ["--min-page-size", "8"], page_size=4, prefix_match_unit=4, speculation_depth=1)
+        Engine.start(
+            EngineConfig("loopback", ["--min-page-size", "8"], page_size=4, prefix_match_unit=4, speculation_depth=1)
+        )
 
 
 @pytest.mark.parametrize("depth", [0, 1])
@@ -139,10 +144,12 @@ def test_sub_page_unit_is_rejected_by_the_host_after_the_handshake(depth: int) -
     # A driver that does not check: the host still judges the unit against the resolved size.
     with pytest.raises(InvalidRequest, match="page size 8"):
         Engine.start(
-            "loopback",
-            ["--min-page-size", "8"],
-            driver_module="tests.host.lax_driver",
-            page_size=4,
-            prefix_match_unit=4,
-            speculation_depth=depth,
+            EngineConfig(
+                "loopback",
+                ["--min-page-size", "8"],
+                driver_module="tests.host.lax_driver",
+                page_size=4,
+                prefix_match_unit=4,
+                speculation_depth=depth,
+            )
         )

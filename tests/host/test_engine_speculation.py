@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from bridge_schema.batch import OutputSpec, Sampler, pack_allowed, unpack_allowed
-from host.engine import Engine
+from host.engine import Engine, EngineConfig
 from host.services import PassRequest
 
 PAGE = 4
@@ -21,13 +21,17 @@ SEEDED = Sampler.random(seed=11)
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
-    with Engine.start("loopback", ["--num-pages", "256", "--page-size", str(PAGE)], speculation_depth=1) as e:
+    with Engine.start(
+        EngineConfig("loopback", ["--num-pages", "256", "--page-size", str(PAGE)], speculation_depth=1)
+    ) as e:
         yield e
 
 
 @pytest.fixture(scope="module")
 def cold_engine() -> Iterator[Engine]:
-    with Engine.start("loopback", ["--num-pages", "256", "--page-size", str(PAGE)], speculation_depth=0) as e:
+    with Engine.start(
+        EngineConfig("loopback", ["--num-pages", "256", "--page-size", str(PAGE)], speculation_depth=0)
+    ) as e:
         yield e
 
 
@@ -67,7 +71,7 @@ def test_plain_decodes_are_served_from_staged_passes_without_changing_the_output
 @pytest.fixture(scope="module")
 def engine_without_deferred_tokens() -> Iterator[Engine]:
     args = ["--num-pages", "256", "--page-size", str(PAGE), "--no-deferred-tokens"]
-    with Engine.start("loopback", args, speculation_depth=1) as e:
+    with Engine.start(EngineConfig("loopback", args, speculation_depth=1)) as e:
         yield e
 
 
@@ -90,7 +94,7 @@ def test_greedy_steps_sent_before_their_input_token_is_back_generate_the_same(
         return tokens
 
     args = ["--num-pages", "256", "--page-size", str(PAGE)]
-    with Engine.start("loopback", args, speculation_depth=depth) as e:
+    with Engine.start(EngineConfig("loopback", args, speculation_depth=depth)) as e:
         pipelined = run_greedy(e)
         assert e.speculation_stats()["speculation_hits"] == 29  # all but the step after the prompt
         # Steps staged before their input token was back (how many depends on timing: a step staged

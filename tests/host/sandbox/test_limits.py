@@ -177,10 +177,10 @@ def test_the_wall_clock_ends_a_run_waiting_for_a_long_pass(sandbox: Sandbox, mis
     """A run blocked on a pass that takes a minute (the dummy driver's simulated latency) ends
     at its 1 s wall clock, not when the pass returns (before the wait in slices: 20 s for a 20 s
     pass)."""
-    from host.engine import Engine  # the real engine: the pass waits in it
+    from host.engine import Engine, EngineConfig  # the real engine: the pass waits in it
 
     config = dataclasses.replace(sandbox.config, wall_budget_s=1.0, inactivity_timeout_s=30.0)
-    with Engine.start("loopback", ["--pass-latency-ms", "60000"]) as engine:
+    with Engine.start(EngineConfig("loopback", ["--pass-latency-ms", "60000"])) as engine:
         handle = sandbox.start(misbehave, engine, ["decode_forever"], io=BufferedRunIO(), config=config)
         outcome = handle.wait(30)  # far less than the pass: it ended at its wall clock
     assert outcome.status is RunStatus.TIMED_OUT and "wall-clock budget of 1 s" in (outcome.error or "")

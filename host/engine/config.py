@@ -1,0 +1,101 @@
+"""What an engine is started with: `EngineConfig`, checked once where it is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bridge_schema.config_rules import check_prefix_match_unit
+from bridge_schema.errors import ConfigError
+from bridge_schema.messages import MAX_DECODE_STEPS, Hello
+from host.driver_link import DriverSpec
+from host.errors import InvalidRequest
+from host.page_quota import PageQuota
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarBudget:
+    """The grammar compiler's budgets (host.grammar.GrammarCompiler): seconds a compile is waited
+    for (0: no limit), MiB one compiled grammar may take, MiB the compiled-grammar cache keeps."""
+
+    compile_s: float = 10.0
+    max_grammar_mib: float = 64.0
+    cache_mib: float = 512.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How to start an engine.
+
+    `driver`: "dummy" or "torch" (a subprocess on a Unix socket), "loopback" (in-process),
+    "unix:PATH" or "tcp:HOST:PORT" (a driver someone else started); `driver_args` are its
+    command-line options, `driver_module` any module that serves `--listen ADDRESS`.
+    `page_size`/`num_pages` 0 take the driver's defaults; `prefix_match_unit` (a page) turns
+    prefix reuse on; `speculation_depth` 0 turns pass-level speculation off.
+    `adapter_dir`: where adapter names are resolved (on the driver's machine; "" turns adapters
+    off), at most `max_loaded_adapters` loaded at once.
+    `max_run_page_fraction`: the most of the page pool one run's contexts may hold;
+    `max_group_page_fraction`: the most the runs of one group (`set_run_group`) may hold.
+    `max_fill_chunk_tokens`: the largest chunk of a long fill in one pass (0: as the pass allows).
+    `max_decode_steps`: the most steps of a multi-step request (host-side generation runs that
+    many per pass while passes are short; 1 turns multi-step off).
+    `startup_timeout_s`: how long the driver's handshake is waited for.
+    `grammar_budget`: the grammar compiler's time and memory budgets.
+
+    A value that cannot work raises `InvalidRequest` here, before any driver starts.
+    """
+
+    driver: str = "dummy"
+    driver_args: tuple[str, ...] = ()
+    driver_module: str = ""
+    page_size: int = 0
+    num_pages: int = 0
+    prefix_match_unit: int = 0
+    speculation_depth: int = 0
+    adapter_dir: str = ""
+    max_loaded_adapters: int = 64
+    max_run_page_fraction: float = 1.0
+    max_group_page_fraction: float = 1.0
+    max_fill_chunk_tokens: int = 0
+    max_decode_steps: int = 16
+    startup_timeout_s: float = 60.0
+    grammar_budget: GrammarBudget = field(default_factory=GrammarBudget)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "driver_args", tuple(self.driver_args))
+        self.driver_spec().kind  # noqa: B018 - validates the driver name
+        PageQuota(0, self.max_run_page_fraction, self.max_group_page_fraction)  # validates the shares
+        if self.page_size:  # judged now against the size asked for, and again after the
+            # handshake against the size the driver resolved (`check_resolved`)
+            try:
+                check_prefix_match_unit(self.prefix_match_unit, self.page_size, self.speculation_depth)
+            except ConfigError as exc:
+                raise InvalidRequest(f"configuration rejected: {exc}") from None
+
+    @property
+    def decode_steps_cap(self) -> int:
+        """`max_decode_steps` within what the bridge allows (at least 1)."""
+        return max(1, min(self.max_decode_steps, MAX_DECODE_STEPS))
+
+    def hello(self) -> Hello:
+        return Hello(
+            page_size=self.page_size,
+            num_pages=self.num_pages,
+            prefix_match_unit=self.prefix_match_unit,
+            speculation_depth=self.speculation_depth,
+        )
+
+    def driver_spec(self) -> DriverSpec:
+        return DriverSpec(self.driver, self.driver_args, self.driver_module, self.startup_timeout_s, self.hello())
+
+    def check_resolved(self, page_size: int) -> None:
+        """The configuration rules again, against the page size the driver resolved."""
+        try:
+            check_prefix_match_unit(self.prefix_match_unit, page_size, self.speculation_depth)
+        except ConfigError as exc:
+            raise InvalidRequest(f"configuration rejected after the handshake: {exc}") from None
+        unit = self.prefix_match_unit
+        if unit and unit != page_size:
+            raise InvalidRequest(
+                f"prefix_match_unit {unit} is sub-page: prefix reuse matches whole pages of the "
+                f"driver's resolved page size {page_size}"
+            )

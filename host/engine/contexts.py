@@ -1,0 +1,146 @@
+"""Every context's lifecycle in one place: the run that owns it, its KV pages (host.pages),
+prefix reuse (host.prefix; a null object when off), the staged chain that assumed its old state
+(host.staging), and the runs' shares of the page pool (host.page_quota).
+
+Pure, like the other cores: the engine core calls it with the engine's lock held.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+from host.errors import ContextNotFound, ContextNotOwned, InvalidRequest
+from host.page_quota import PageQuota
+from host.pages import PageCopy, PageTable
+from host.prefix import NoPrefixReuse, PrefixReuse
+from host.scheduler import PendingPass, Scheduler
+from host.staging import Staging
+
+
+class Contexts:
+    def __init__(
+        self,
+        pages: PageTable,
+        prefix: PrefixReuse | NoPrefixReuse,
+        staging: Staging,
+        scheduler: Scheduler,
+        quota: PageQuota,
+    ) -> None:
+        self.pages = pages
+        self.prefix = prefix
+        self._staging = staging
+        self._scheduler = scheduler
+        self._quota = quota
+        self._ids = itertools.count(1)
+        self._owner: dict[int, int] = {}  # context -> run
+        self._copies: list[PageCopy] = []  # to send before the next pass
+
+    # ------------------------------------------------------------------ ownership
+
+    def check_owner(self, run_id: int, context_id: int) -> None:
+        owner = self._owner.get(context_id)
+        if owner is None:
+            raise ContextNotFound(context_id)
+        if owner != run_id:
+            raise ContextNotOwned(context_id, run_id)
+
+    def of_run(self, run_id: int) -> list[int]:
+        return [c for c, r in self._owner.items() if r == run_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(self._owner))
+
+    def check_idle(self, context_id: int, what: str) -> None:
+        """Fork and truncate need the context's KV settled: its pending pass's pages would
+        otherwise be copied before they are written, or freed under it."""
+        if self._scheduler.has_pending(context_id):
+            raise InvalidRequest(f"cannot {what} context {context_id} while a forward pass on it is pending")
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def create(self, run_id: int) -> int:
+        context_id = next(self._ids)
+        self.pages.create(context_id)
+        self.prefix.on_create(context_id)
+        self._owner[context_id] = run_id
+        return context_id
+
+    def fork(self, run_id: int, context_id: int) -> int:
+        self.check_owner(run_id, context_id)
+        self._staging.invalidate(context_id)
+        self.check_idle(context_id, "fork")
+        # A fork shares its parent's pages; it is charged them all (its own from the first
+        # write on), and the copy of the partial page.
+        self.check_quota(run_id, context_id, 0, extra_pages=len(self.pages.held(context_id)) + 1)
+        child = next(self._ids)
+        # The partial page's Copy goes out before the next pass (the loop sends copies first).
+        self._copies += self.pages.fork(context_id, child)
+        self.prefix.on_fork(context_id, child)
+        self._owner[child] = run_id
+        return child
+
+    def truncate(self, context_id: int, length: int) -> None:
+        """The context keeps its first `length` slots; its staged chain is dropped."""
+        self._staging.invalidate(context_id)
+        self.pages.truncate(context_id, length)
+        self.prefix.on_truncate(context_id, length)
+
+    def release_slots(self, context_id: int, start: int, stop: int) -> int:
+        self._staging.invalidate(context_id)
+        self.check_idle(context_id, "release pages of")
+        released = self.pages.release_pages(context_id, start, stop)
+        if released:
+            self.prefix.on_release_pages(context_id)
+        return released
+
+    def cancel_pending(self, context_id: int) -> list[PendingPass]:
+        """Before a release: drop the staged chain and take the context's passes from the
+        scheduler (the caller fails their waiters)."""
+        self._staging.invalidate(context_id)
+        return self._scheduler.cancel(lambda p: p.context_id == context_id)
+
+    def release(self, context_id: int) -> None:
+        self._staging.invalidate(context_id)
+        self.pages.release(context_id)
+        self.prefix.on_release(context_id)
+        del self._owner[context_id]
+
+    # ------------------------------------------------------------------ growth
+
+    def extend(self, run_id: int, context_id: int, num_slots: int) -> None:
+        """Reserve `num_slots` more slots for a pass (within the run's quota), so that it either
+        gets all its pages now or fails at once (`OutOfPages`, `PageQuotaExceeded`)."""
+        self.check_quota(run_id, context_id, num_slots)
+        self._copies += self.pages.extend(context_id, num_slots)
+
+    def take_copies(self) -> list[PageCopy]:
+        copies, self._copies = self._copies, []
+        return copies
+
+    def check_quota(self, run_id: int, context_id: int, num_tokens: int, extra_pages: int = 0) -> None:
+        """PageQuotaExceeded if growing `context_id` by `num_tokens` (and `extra_pages`) would
+        take its run's contexts past their share of the pool. Pages shared by contexts count
+        once per context: a quota errs on the side of the others."""
+        if self._quota.is_unlimited:
+            return
+        ps = self.pages.page_size
+        now = len(self.pages.pages(context_id))
+        needed = max(0, -(-(self.pages.length(context_id) + num_tokens) // ps) - now) + extra_pages
+        if needed == 0:
+            return
+        held: dict[int, int] = {}
+        for c, r in self._owner.items():
+            held[r] = held.get(r, 0) + len(self.pages.held(c))
+        self._quota.check(run_id, needed, held)
+
+    def set_group(self, run_id: int, group: str) -> None:
+        self._quota.set_group(run_id, group)
+
+    def forget_run(self, run_id: int) -> None:
+        self._quota.forget(run_id)
+
+    def usage(self, run_id: int) -> tuple[int, int]:
+        """(contexts, distinct KV pages) the run holds now."""
+        contexts = self.of_run(run_id)
+        return len(contexts), len({p for c in contexts for p in self.pages.held(c)})

@@ -1,0 +1,353 @@
+"""The engine core: every piece of engine state, built in one constructor from the
+configuration and the driver's handshake, changed only through a few verbs.
+
+Thread-free and clock-free, like the cores it composes (host.pages, host.scheduler,
+host.staging, host.prefix): the thread-facing `Engine` facade and the loop (host.engine.loop)
+call it with the engine's lock held. Its verbs:
+
+- the context verbs (`create_context`, `fork_context`, `truncate_context`, `release_context`,
+  `release_slots`, `end_run`), on `host.engine.contexts.Contexts`, the lifecycle owner;
+- `submit`: check a pass and queue it (or serve it from a staged pass);
+- `next_batch` / `complete` / `fail` / `isolate`: the loop's side, one driver pass at a time;
+- `break_link` / `shut_down`: the link is gone, or the loop ends.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Protocol
+
+from bridge_schema.batch import OutputResult
+from bridge_schema.messages import DEFERRED_TOKENS, MULTI_STEP, Handshake
+from host.engine.config import EngineConfig
+from host.engine.contexts import Contexts
+from host.errors import DriverFailed, EngineClosed, HostError, InvalidRequest, RunEnded
+from host.page_quota import PageQuota
+from host.pages import PageCopy, PageTable
+from host.pass_check import check_holes_masked, check_request
+from host.prefix import NoPrefixReuse, PrefixReuse
+from host.prefix_cache import PrefixCache
+from host.scheduler import Batch, PassLimits, PendingPass, Scheduler
+from host.services import ModelInfo, PassRequest, PassResult, Tokenizer
+from host.speculator import RequestShape
+from host.staging import Staging, Waiter, shape_of
+from host.tokenizer import tokenizer_from_handshake
+
+# Two passes in flight: the driver works on one while the next is built and sent.
+MAX_PASSES_IN_FLIGHT = 2
+# A multi-step pass should hold the device about this long at most (see `max_decode_steps`).
+MULTI_STEP_BUDGET_S = 0.010
+
+
+class Continuation(Protocol):
+    """A waiter that goes on after its result (a host-side generation, host.engine.chain): it
+    is handed back by `complete` and continued by the loop once the lock is released."""
+
+    def continue_from(self, result: PassResult) -> None: ...
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, handshake: Handshake) -> None:
+        h = handshake
+        if h.page_size <= 0 or h.num_pages <= 0 or h.vocab_size <= 0:
+            raise DriverFailed(f"driver handshake has no usable page pool or vocabulary: {h}")
+        config.check_resolved(h.page_size)
+        self.handshake = h
+        self.tokenizer: Tokenizer = tokenizer_from_handshake(h)
+        self.model = ModelInfo(
+            name=h.model_name,
+            vocab_size=h.vocab_size,
+            page_size=h.page_size,
+            max_context=h.max_context,
+            stop_token_ids=tuple(int(t) for t in h.stop_token_ids),
+            control_token_ids=tuple(int(t) for t in h.control_token_ids),
+        )
+        cache = PrefixCache() if config.prefix_match_unit else None
+        pages = PageTable(h.num_pages, h.page_size, cache)
+        limits = PassLimits(
+            max_requests_per_pass=h.max_requests_per_pass,
+            max_tokens_per_pass=h.max_tokens_per_pass,
+            max_mask_bytes=h.max_mask_bytes,
+            vocab_size=h.vocab_size,
+            max_fill_chunk_tokens=config.max_fill_chunk_tokens,
+        )
+        self._scheduler = Scheduler(limits, h.page_size)
+        self._tickets = itertools.count(1)
+        self.staging = Staging(
+            config.speculation_depth,
+            pages,
+            self._scheduler,
+            lambda: next(self._tickets),
+            deferred_tokens=DEFERRED_TOKENS in h.capabilities,
+        )
+        quota = PageQuota(h.num_pages, config.max_run_page_fraction, config.max_group_page_fraction)
+        prefix = PrefixReuse(pages, cache) if cache is not None else NoPrefixReuse()
+        self.contexts = Contexts(pages, prefix, self.staging, self._scheduler, quota)
+        self.pages = pages
+        self._waiters: dict[int, Waiter] = {}  # ticket -> who gets the pass's result
+        self._ready: list[tuple[Continuation, PassResult]] = []  # generations to continue
+        self._run_adapters: dict[int, set[int]] = {}
+        self._decode_steps_cap = config.decode_steps_cap
+        self.is_multi_step = MULTI_STEP in h.capabilities and cache is None and self._decode_steps_cap > 1
+        self._step_s = 0.0  # moving average of a pass's time per decode step, send to reply
+        self.num_in_flight = 0
+        self.broken: HostError | None = None  # set once the link is gone: every call fails with it
+        self.is_close_requested = False
+        self.is_closing = False
+
+    # ------------------------------------------------------------------ state
+
+    def check_usable(self) -> None:
+        if self.is_close_requested:
+            raise EngineClosed()
+        if self.broken is not None:
+            raise self.broken
+        if self.is_closing:
+            raise EngineClosed()
+
+    @property
+    def is_stopping(self) -> bool:
+        return self.is_closing or self.broken is not None
+
+    def request_close(self) -> bool:
+        """False if a close was requested already."""
+        if self.is_close_requested:
+            return False
+        self.is_close_requested = self.is_closing = True
+        return True
+
+    # ------------------------------------------------------------------ contexts
+
+    def create_context(self, run_id: int) -> int:
+        self.check_usable()
+        return self.contexts.create(run_id)
+
+    def fork_context(self, run_id: int, context_id: int) -> int:
+        self.check_usable()
+        return self.contexts.fork(run_id, context_id)
+
+    def truncate_context(self, run_id: int, context_id: int, length: int) -> None:
+        self.contexts.check_owner(run_id, context_id)
+        self.staging.invalidate(context_id)
+        self.contexts.check_idle(context_id, "truncate")
+        self.contexts.truncate(context_id, length)
+
+    def release_slots(self, run_id: int, context_id: int, start: int, stop: int) -> int:
+        self.contexts.check_owner(run_id, context_id)
+        return self.contexts.release_slots(context_id, start, stop)
+
+    def release_context(self, run_id: int, context_id: int) -> None:
+        self.contexts.check_owner(run_id, context_id)
+        self._drop_context(context_id, RunEnded(f"context {context_id} was released while its pass waited"))
+
+    def end_run(self, run_id: int) -> None:
+        for context_id in self.contexts.of_run(run_id):
+            self._drop_context(context_id, RunEnded(f"run {run_id} ended while its pass waited"))
+        self._run_adapters.pop(run_id, None)
+        self.contexts.forget_run(run_id)
+
+    def drop_unused_steps(self, context_id: int, count: int) -> None:
+        """A generation stopped inside a multi-step pass: its last `count` slots leave the
+        context (nothing of the context is pending or staged after such a pass)."""
+        self.contexts.truncate(context_id, self.pages.length(context_id) - count)
+
+    def _drop_context(self, context_id: int, reason: HostError) -> None:
+        for item in self.contexts.cancel_pending(context_id):
+            self._fail_item(item, reason)
+        self.contexts.release(context_id)
+
+    # ------------------------------------------------------------------ adapters
+
+    def adapters_in_use(self) -> set[int]:
+        return set().union(*self._run_adapters.values())
+
+    def grant_adapter(self, run_id: int, adapter_id: int) -> None:
+        self._run_adapters.setdefault(run_id, set()).add(adapter_id)
+
+    # ------------------------------------------------------------------ passes
+
+    def submit(self, run_id: int, context_id: int, request: PassRequest, waiter: Waiter) -> PassResult | None:
+        """Queue one pass. Returns its result when a staged pass that already returned serves
+        it; else `waiter` gets the result (or the error) when it comes."""
+        self.check_usable()
+        self.contexts.check_owner(run_id, context_id)
+        pages, prefix = self.pages, self.contexts.prefix
+        kv_start = pages.length(context_id)
+        checked = check_request(request, kv_start, self.handshake, self._run_adapters.get(run_id, set()))
+        if pages.has_holes(context_id):
+            check_holes_masked(checked, pages.pages(context_id), pages.page_size)
+        steps = checked.steps if self.is_multi_step else 1
+        shape = shape_of(
+            checked.tokens,
+            checked.positions,
+            checked.outputs,
+            request.adapter_id,
+            checked.mask_rows is not None,
+            request.has_grammar,
+            steps,
+        )
+        staged = self.staging.take(context_id, shape)
+        if staged is not None:
+            # Served by a pre-fired pass: its slot, held already, becomes part of the context.
+            copies = pages.extend(context_id, 1)
+            assert not copies, "a staged slot needed a page copy"
+            prefix.record(context_id, shape.tokens, [shape.position], request.adapter_id, False)
+            if staged.result is None:
+                staged.waiter = waiter
+            self.staging.after_served(staged)  # with deferred tokens, the next step goes now
+            return staged.result
+        prefix.record(context_id, checked.tokens, checked.positions, request.adapter_id, checked.mask_rows is not None)
+        reused, checked = prefix.reuse(context_id, checked, request.adapter_id)
+        kv_start += reused
+        if steps > 1:  # as many steps as there are slots for, down to one
+            steps = max(1, min(steps, pages.free_slots(context_id)))
+        self.contexts.extend(run_id, context_id, len(checked.tokens) + steps - 1)
+        item = PendingPass(
+            ticket=next(self._tickets),
+            run_id=run_id,
+            context_id=context_id,
+            tokens=checked.tokens,
+            positions=checked.positions,
+            pages=pages.pages(context_id),
+            kv_start=kv_start,
+            outputs=checked.outputs,
+            adapter_id=request.adapter_id,
+            mask_rows=checked.mask_rows,
+            has_grammar=request.has_grammar,
+            steps=steps,
+        )
+        self._waiters[item.ticket] = waiter
+        self._scheduler.submit(item)
+        return None
+
+    def max_decode_steps(self) -> int:
+        """Steps per multi-step request: as many as fit in `MULTI_STEP_BUDGET_S` of the device
+        at the measured time per step, so a multi-step pass never holds up other requests or a
+        client's stream by much more than that; 1 until a pass has been timed."""
+        if not self.is_multi_step or not self._step_s:
+            return 1
+        return max(1, min(self._decode_steps_cap, int(MULTI_STEP_BUDGET_S / self._step_s)))
+
+    # ------------------------------------------------------------------ the loop's verbs
+
+    def take_copies(self) -> list[PageCopy]:
+        """Page copies to send before the next pass (the driver handles frames in order)."""
+        return self.contexts.take_copies()
+
+    def next_batch(self) -> Batch | None:
+        """The next driver pass, or None (nothing waits, or two are in flight already)."""
+        if self.num_in_flight >= MAX_PASSES_IN_FLIGHT:
+            return None
+        batch = self._scheduler.next_batch()
+        if batch is None:
+            if self.num_in_flight == 0:
+                self._fail_unschedulable()
+            return None
+        self.num_in_flight += 1
+        if self.staging.is_enabled:
+            # With deferred tokens, each decode step in the pass that finishes its request has
+            # its next step staged now, to follow it at the driver.
+            for chunk in batch.chunks:
+                if chunk.is_last and not chunk.item.is_cancelled:
+                    self.staging.on_dispatched(chunk.item, self._decode_shape(chunk.item))
+        return batch
+
+    def complete(
+        self, batch: Batch, outputs: list[list[OutputResult]], elapsed_s: float
+    ) -> list[tuple[Continuation, PassResult]]:
+        """A pass's results came back after `elapsed_s` at the driver: route them. Returns the
+        generations to continue, once the lock is released (their next steps may take the passes
+        staged just now)."""
+        self.num_in_flight -= 1
+        steps = max(chunk.item.steps for chunk in batch.chunks)
+        sample = elapsed_s / steps
+        self._step_s = sample if not self._step_s else 0.8 * self._step_s + 0.2 * sample
+        for item in self._scheduler.complete(batch, outputs):
+            self._on_finished(item)
+        ready, self._ready = self._ready, []
+        return ready
+
+    def continue_later(self, continuation: Continuation, result: PassResult) -> None:
+        """`continuation`'s pass returned `result` (inside `complete`)."""
+        self._ready.append((continuation, result))
+
+    def isolate(self, batch: Batch) -> None:
+        """The driver refused `batch`: which request is bad is unknown, so each goes again alone
+        and only that one fails."""
+        self.num_in_flight -= 1
+        self._scheduler.isolate(batch)
+
+    def fail(self, batch: Batch, error: HostError) -> HostError:
+        """`batch` failed with `error`; returns the error its passes got."""
+        if self.is_close_requested:  # the link went down because the engine is closing
+            error = EngineClosed("the engine closed while the pass waited")
+        self.num_in_flight -= 1
+        for item in self._scheduler.fail(batch):
+            self._fail_item(item, error)
+        return error
+
+    def mark_broken(self, error: HostError) -> None:
+        """Nothing the driver does from now on can be trusted: every later call fails."""
+        self.broken = self.broken or error
+
+    def break_link(self, error: HostError) -> None:
+        """Every waiting pass fails now; later calls fail with the same error."""
+        self.mark_broken(error)
+        for item in self._scheduler.cancel(lambda p: True):
+            self._fail_item(item, error)
+
+    def shut_down(self) -> None:
+        """The loop ended: every waiter left fails."""
+        self.is_closing = True
+        error = self.broken or EngineClosed("the engine closed while the pass waited")
+        for waiter in self._waiters.values():
+            waiter.set_exception(error)
+        self._waiters.clear()
+
+    # ------------------------------------------------------------------ internals
+
+    def _on_finished(self, item: PendingPass) -> None:
+        """A staged pass goes to `host.staging`; a cold one to its waiter, and a plain decode's
+        next step is pre-fired (or, staged already while it was in flight, gets its token)."""
+        self.contexts.prefix.register_completed(item.context_id, item.kv_start + len(item.tokens))
+        if self.staging.on_finished(item):
+            return
+        waiter = self._waiters.pop(item.ticket, None)
+        if waiter is not None:
+            waiter.set_result(PassResult(outputs=item.results))
+        if self.staging.is_enabled and item.results and not self.staging.on_cold_finished(item):
+            shape = self._decode_shape(item)  # staged when it returns, not when it was sent
+            if shape is not None:
+                self.staging.stage_after(item.run_id, item.context_id, shape, item.results[-1].token)
+
+    def _decode_shape(self, item: PendingPass) -> RequestShape | None:
+        """The speculation features of a cold pass that samples, else None."""
+        if not item.outputs or not self.pages.has(item.context_id):
+            return None
+        return shape_of(
+            item.tokens,
+            item.positions,
+            item.outputs,
+            item.adapter_id,
+            item.mask_rows is not None,
+            item.has_grammar,
+            item.steps,
+        )
+
+    def _fail_unschedulable(self) -> None:
+        """Nothing in flight and nothing fits: fail what waits rather than let it wait forever
+        (request checks make this unreachable; this is the guard against a hang)."""
+        if self._scheduler.has_work():
+            for item in self._scheduler.cancel(lambda p: True):
+                self._fail_item(item, InvalidRequest("the pass does not fit the driver's per-pass limits"))
+
+    def _fail_item(self, item: PendingPass, error: HostError) -> None:
+        """Fail the waiter and give back the slots the pass had reserved."""
+        if not self.staging.on_failed(item, error):
+            self.staging.on_cold_failed(item)
+            waiter = self._waiters.pop(item.ticket, None)
+            if waiter is not None:
+                waiter.set_exception(error)
+        end = item.kv_start + len(item.tokens)
+        if self.pages.has(item.context_id) and self.pages.length(item.context_id) == end:
+            self.contexts.truncate(item.context_id, item.kv_start)

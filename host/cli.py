@@ -53,7 +53,7 @@ def cmd_build(ns: argparse.Namespace) -> int:
 
 def _compile_for_this_machine(wasm_path: Path, cache_dir: Path) -> None:
     from host.sandbox.compile_cache import CompileCache
-    from host.sandbox.engine import new_engine
+    from host.sandbox.wasm_engine import new_engine
 
     CompileCache(new_engine(), SandboxConfig(cache_dir=cache_dir).compiled_dir).load(wasm_path, _progress)
 

@@ -23,8 +23,8 @@ from wasmtime.component import Component
 
 from host.app_bundle import AppSources, BundleError, split_sources
 from host.sandbox.compile_worker import CompileFailed, compile_in_child
-from host.sandbox.engine import ENGINE_FLAGS, WASMTIME_VERSION
 from host.sandbox.errors import ComponentLoadError
+from host.sandbox.wasm_engine import ENGINE_FLAGS, WASMTIME_VERSION
 
 _log = logging.getLogger("wafer.sandbox")
 

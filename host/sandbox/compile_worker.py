@@ -4,7 +4,7 @@ host.sandbox.compile_worker WASM OUT LIMIT_BYTES` writes the compiled component 
 A compile of an 18 MB component takes hundreds of MiB for tens of seconds, and the allocator
 keeps much of it after: in a child, the host's own memory never grows with an upload, and a
 component too costly to compile fails there (its writable memory capped by RLIMIT_DATA) instead
-of taking the host down. The child builds the same engine (`host.sandbox.engine.new_engine`), so
+of taking the host down. The child builds the same engine (`host.sandbox.wasm_engine.new_engine`), so
 the host deserializes what it wrote.
 """
 
@@ -64,7 +64,7 @@ def main(argv: list[str]) -> int:
         from wasmtime.component import Component
 
         from host.app_bundle import BundleError, split_sources
-        from host.sandbox.engine import new_engine
+        from host.sandbox.wasm_engine import new_engine
 
         try:
             component_bytes, _ = split_sources(wasm_path.read_bytes())  # the sources are not compiled

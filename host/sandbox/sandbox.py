@@ -13,12 +13,12 @@ from host.errors import HostError
 from host.sandbox import wasmtime_threads
 from host.sandbox.compile_cache import CompileCache, LoadedInferlet
 from host.sandbox.config import SandboxConfig
-from host.sandbox.engine import EpochTicker, new_engine
 from host.sandbox.linker import new_linker
 from host.sandbox.outcome import RunOutcome
 from host.sandbox.run import Run
 from host.sandbox.run_io import BufferedRunIO, RunIO
 from host.sandbox.run_state import RunState
+from host.sandbox.wasm_engine import EpochTicker, new_engine
 from host.services import Services
 
 _log = logging.getLogger("wafer.sandbox")

@@ -15,8 +15,8 @@ from host.app_bundle import SECTION_NAME, split_sources
 from host.build import build
 from host.sandbox.compile_cache import CompileCache, LoadedInferlet
 from host.sandbox.config import MIB
-from host.sandbox.engine import new_engine
 from host.sandbox.errors import ComponentLoadError
+from host.sandbox.wasm_engine import new_engine
 
 HERE = Path(__file__).parent
 REPO = HERE.parents[2]

@@ -13,8 +13,8 @@ from wasmtime.component import Component
 from host.build import build
 from host.sandbox import BufferedRunIO, RunStatus, Sandbox, SandboxConfig
 from host.sandbox.compile_cache import CompileCache
-from host.sandbox.engine import new_engine
 from host.sandbox.errors import ComponentLoadError
+from host.sandbox.wasm_engine import new_engine
 from tests.host.sandbox.table_services import TableServices
 
 

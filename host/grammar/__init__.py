@@ -11,7 +11,7 @@ while not matcher.is_terminated():
 
 from __future__ import annotations
 
-from host.grammar.compiler import OPTIONS, GrammarCompiler
+from host.grammar.compiler import GrammarCompiler
 from host.grammar.errors import (
     CompileBudgetExceeded,
     GrammarError,
@@ -27,6 +27,7 @@ from host.grammar.errors import (
 )
 from host.grammar.grammar import KINDS, Grammar, GrammarKey
 from host.grammar.matcher import Matcher, allocate_bitmask, bitmask_words
+from host.grammar.options import OPTIONS
 from host.grammar.tokenizer_info import TokenizerSpec, token_table, tokenizer_info
 
 __all__ = [

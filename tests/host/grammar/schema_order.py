@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from host.grammar.schema_support import resolve_local_ref
+from host.grammar.schema_walk import resolve_local_ref
 
 
 def _resolve(root: Any, node: Any) -> Any:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from host.grammar import GrammarCompiler, InvalidJSONSchema, InvalidToolCall, UnsupportedSchema, allocate_bitmask
-from host.grammar.schema_support import exclusive_one_of_as_any_of
+from host.grammar.schema_one_of import exclusive_one_of_as_any_of
 
 from .conftest import BYTE_STOPS
 

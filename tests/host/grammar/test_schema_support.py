@@ -1,4 +1,4 @@
-"""The measured coverage of xgrammar 0.2.8 behind schema_support: each keyword listed as not
+"""The measured coverage of xgrammar 0.2.8 behind schema_coverage: each keyword listed as not
 enforced really lets a violating instance through (and is reported), each enforced keyword
 refuses one (and is not reported). A new xgrammar that changes either fails here."""
 
@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from host.grammar import GrammarCompiler
-from host.grammar.schema_support import full_match_pattern, normalize, unsupported_features
+from host.grammar.schema_coverage import unsupported_features
+from host.grammar.schema_support import full_match_pattern, normalize
 
 from .conftest import BYTE_STOPS
 
@@ -112,7 +113,7 @@ def _accepts(compiler: GrammarCompiler, schema: dict[str, Any], instance: Any) -
 def test_keywords_not_enforced_are_reported(
     byte_compiler: GrammarCompiler, feature: str, schema: dict[str, Any], violation: Any
 ) -> None:
-    assert _accepts(byte_compiler, schema, violation), f"xgrammar now enforces {feature}: update schema_support"
+    assert _accepts(byte_compiler, schema, violation), f"xgrammar now enforces {feature}: update schema_coverage"
     assert f"{feature} at /" in unsupported_features(normalize(schema), strict=False)
 
 

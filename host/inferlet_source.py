@@ -128,5 +128,3 @@ def rewrite_guest_paths(text: str, inferlet_dir: Path) -> str:
         return f'"{roots[index] / m.group(2)}"' if index < len(roots) else m.group(0)
 
     return _GUEST_PATH.sub(local, text)
-
-

@@ -6,7 +6,7 @@ driver pass (so the scheduler never holds one it cannot place). Knows nothing of
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import numpy.typing as npt
@@ -16,19 +16,11 @@ from bridge_schema.messages import MAX_DECODE_STEPS, Handshake, Probe, SamplerKi
 from host.attention_masks import attends_within, window_rows
 from host.errors import InvalidRequest
 from host.pages import HOLE
+from host.passes import Pass
 from host.services import PassRequest
 
 
-@dataclass(frozen=True, slots=True)
-class CheckedPass:
-    tokens: npt.NDArray[np.uint32]
-    positions: npt.NDArray[np.uint32]
-    outputs: tuple[OutputSpec, ...]
-    mask_rows: list[list[int]] | None
-    steps: int = 1  # decode steps of a multi-step request, clamped to the model's context
-
-
-def check_request(request: PassRequest, kv_start: int, h: Handshake, adapters: set[int]) -> CheckedPass:
+def check_request(request: PassRequest, kv_start: int, h: Handshake, adapters: set[int]) -> Pass:
     """Validate a pass where it enters the host, against the driver's handshake, so the driver
     never sees a request it must refuse (and the scheduler never holds one it cannot place)."""
     tokens = np.asarray(request.tokens, dtype=np.int64).reshape(-1)
@@ -92,7 +84,15 @@ def check_request(request: PassRequest, kv_start: int, h: Handshake, adapters: s
     if h.max_mask_bytes and 4 * max(row_words) > h.max_mask_bytes:
         raise InvalidRequest(f"one row's masks exceed the driver's {h.max_mask_bytes} mask bytes per pass")
     steps = 1 if request.steps == 1 else _check_steps(request, positions, outputs, mask_rows, h)
-    return CheckedPass(tokens.astype(np.uint32), positions.astype(np.uint32), outputs, mask_rows, steps)
+    return Pass(
+        tokens=tokens.astype(np.uint32),
+        positions=positions.astype(np.uint32),
+        outputs=outputs,
+        mask_rows=mask_rows,
+        adapter_id=request.adapter_id,
+        has_grammar=request.has_grammar,
+        steps=steps,
+    )
 
 
 def _check_steps(
@@ -112,7 +112,7 @@ def _check_steps(
     return min(request.steps, h.max_context - int(positions[0]))  # positions stay in the context
 
 
-def check_holes_masked(checked: CheckedPass, pages: tuple[int, ...], page_size: int) -> None:
+def check_holes_masked(checked: Pass, pages: tuple[int, ...], page_size: int) -> None:
     """A context with released pages (holes) may only run passes whose masks exclude them."""
     if checked.mask_rows is None:
         raise InvalidRequest(

@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from host.pages import PageTable
-from host.pass_check import CheckedPass
+from host.passes import Pass
 from host.prefix_cache import ROOT, PrefixCache, page_key, page_keys
 
 _Ids = Sequence[int] | npt.NDArray[np.uint32]
@@ -61,7 +61,7 @@ class PrefixReuse:
 
     # ------------------------------------------------------------------ passes
 
-    def reuse(self, context_id: int, checked: CheckedPass, adapter_id: int) -> tuple[int, CheckedPass]:
+    def reuse(self, context_id: int, checked: Pass) -> tuple[int, Pass]:
         """For a pass that starts an empty context: adopt the longest chain of cached pages its
         tokens name, and return (tokens reused, the pass left to compute)."""
         ps = self._page_size
@@ -71,7 +71,9 @@ class PrefixReuse:
         first_output = checked.outputs[0].row if checked.outputs else num - 1
         max_pages = min(first_output, num - 1) // ps
         tokens, positions = checked.tokens.tolist(), checked.positions.tolist()
-        keys = page_keys(tokens[: max_pages * ps], positions[: max_pages * ps], [adapter_id] * (max_pages * ps), ps)
+        keys = page_keys(
+            tokens[: max_pages * ps], positions[: max_pages * ps], [checked.adapter_id] * (max_pages * ps), ps
+        )
         cached = self.cache.lookup(keys)
         if not cached:
             return 0, checked
@@ -141,7 +143,7 @@ class NoPrefixReuse:
     def on_release(self, context_id: int) -> None:
         pass
 
-    def reuse(self, context_id: int, checked: CheckedPass, adapter_id: int) -> tuple[int, CheckedPass]:
+    def reuse(self, context_id: int, checked: Pass) -> tuple[int, Pass]:
         return 0, checked
 
     def record(self, context_id: int, tokens: _Ids, positions: _Ids, adapter_id: int, masked: bool) -> None:

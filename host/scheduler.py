@@ -9,14 +9,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-
-import numpy as np
-import numpy.typing as npt
+from dataclasses import dataclass, replace
 
 from bridge_schema.batch import OutputResult, OutputSpec, RequestSpec, logit_mask_words
 from host.attention_masks import drop_unattended_pages
 from host.pages import HOLE, pages_for
+from host.passes import Pass
 
 _UNLIMITED = 1 << 62
 
@@ -48,46 +46,11 @@ class PassLimits:
         return self.max_mask_bytes // 4 if self.max_mask_bytes else _UNLIMITED
 
 
-@dataclass(eq=False, slots=True)
-class PendingPass:
-    """One inferlet forward pass, with the KV pages reserved for it.
-
-    Its tokens fill slots kv_start .. kv_start + len(tokens) of the context, held by `pages`.
-    """
-
-    ticket: int
-    run_id: int
-    context_id: int
-    tokens: npt.NDArray[np.uint32]
-    positions: npt.NDArray[np.uint32]
-    pages: tuple[int, ...]
-    kv_start: int
-    outputs: tuple[OutputSpec, ...] = ()
-    adapter_id: int = -1
-    mask_rows: Sequence[Sequence[int]] | None = None
-    has_grammar: bool = False
-    # Its first token is what the context's previous pass samples (`Forward.deferred`): it may
-    # go to the driver while that pass is still in flight.
-    deferred: bool = False
-    # A multi-step request: one token, `outputs[0]` sampling at each of `steps` decode steps,
-    # whose slots kv_start .. kv_start + steps it holds (`Forward.steps`).
-    steps: int = 1
-    num_done: int = 0  # tokens whose chunks have returned
-    is_sent: bool = False  # its last chunk is in flight
-    results: list[OutputResult] = field(default_factory=list)
-    is_cancelled: bool = False
-    is_isolated: bool = False  # its batch was refused: retry it alone to find the culprit
-
-    @property
-    def num_remaining(self) -> int:
-        return len(self.tokens) - self.num_done
-
-
 @dataclass(frozen=True, slots=True)
 class Chunk:
     """Tokens [start, stop) of a pending pass, as one request of a driver pass."""
 
-    item: PendingPass
+    item: Pass
     start: int
     stop: int
     spec: RequestSpec
@@ -127,14 +90,14 @@ class Scheduler:
     def __init__(self, limits: PassLimits, page_size: int) -> None:
         self.limits = limits
         self.page_size = page_size
-        self._queue: dict[int, PendingPass] = {}  # by ticket; insertion order is arrival order
+        self._queue: dict[int, Pass] = {}  # by ticket; insertion order is arrival order
         self._in_flight: dict[int, Batch] = {}
         self._busy_contexts: Counter[int] = Counter()  # context -> chunks in flight
         self._next_batch_id = 1
 
     # ------------------------------------------------------------------ queue
 
-    def submit(self, item: PendingPass) -> None:
+    def submit(self, item: Pass) -> None:
         assert item.ticket not in self._queue, "tickets are unique"
         self._queue[item.ticket] = item
 
@@ -154,7 +117,7 @@ class Scheduler:
         """True when `next_batch` would return a batch."""
         return any(item.context_id not in self._busy_contexts for item in self._queue.values())
 
-    def cancel(self, predicate: Callable[[PendingPass], bool]) -> list[PendingPass]:
+    def cancel(self, predicate: Callable[[Pass], bool]) -> list[Pass]:
         """Drop every matching pass, waiting or in flight; a chunk in flight still returns but
         its results are discarded. Returns the dropped passes (to fail their waiters)."""
         dropped = [item for item in self._queue.values() if predicate(item)]
@@ -168,7 +131,7 @@ class Scheduler:
     def next_batch(self) -> Batch | None:
         """The next pass to send, or None when nothing is ready. Contexts in the returned batch
         are busy until `complete` or `fail` is called with it."""
-        heads: list[PendingPass] = []
+        heads: list[Pass] = []
         seen: set[int] = set()
         for item in self._queue.values():
             if item.context_id in seen or item.is_sent:
@@ -235,12 +198,12 @@ class Scheduler:
             chunk.item.is_sent = chunk.is_last
         return batch
 
-    def complete(self, batch: Batch, outputs: Sequence[Sequence[OutputResult]]) -> list[PendingPass]:
+    def complete(self, batch: Batch, outputs: Sequence[Sequence[OutputResult]]) -> list[Pass]:
         """Record a returned batch (`outputs` per chunk, in batch order). Returns the passes
         that are now finished, their `results` filled, in ticket order."""
         assert len(outputs) == len(batch.chunks), "one output list per chunk"
         self._retire(batch)
-        finished: list[PendingPass] = []
+        finished: list[Pass] = []
         for chunk, results in zip(batch.chunks, outputs, strict=True):
             item = chunk.item
             if item.is_cancelled:
@@ -261,11 +224,11 @@ class Scheduler:
             chunk.item.is_isolated = True
             chunk.item.is_sent = False
 
-    def fail(self, batch: Batch) -> list[PendingPass]:
+    def fail(self, batch: Batch) -> list[Pass]:
         """A batch that did not return: each of its passes is dropped (also their later chunks).
         Returns those passes, to fail their waiters."""
         self._retire(batch)
-        failed: list[PendingPass] = []
+        failed: list[Pass] = []
         for chunk in batch.chunks:
             item = chunk.item
             if item.is_cancelled:
@@ -288,7 +251,7 @@ class Scheduler:
         num_masks = sum(o.logit_mask is not None for o in chunk.spec.outputs)
         return num_masks * logit_mask_words(self.limits.vocab_size)
 
-    def _take(self, item: PendingPass, budget: _Budget, allow_partial: bool) -> tuple[Chunk, int] | None:
+    def _take(self, item: Pass, budget: _Budget, allow_partial: bool) -> tuple[Chunk, int] | None:
         """The largest next chunk of `item` that fits `budget`, with its mask words, or None."""
         if budget.requests <= 0:
             return None
@@ -308,7 +271,7 @@ class Scheduler:
             size //= 2
         return None
 
-    def _chunk(self, item: PendingPass, start: int, stop: int) -> Chunk:
+    def _chunk(self, item: Pass, start: int, stop: int) -> Chunk:
         # A multi-step request (one token, never split) also holds the slots of its later steps.
         kv_len = item.kv_start + stop + item.steps - 1
         num_pages = pages_for(kv_len, self.page_size)

@@ -19,36 +19,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
-import numpy.typing as npt
 
 from bridge_schema.batch import OutputSpec
 from host.errors import HostError
 from host.pages import PageTable
-from host.scheduler import PendingPass, Scheduler
+from host.passes import Pass
+from host.scheduler import Scheduler
 from host.services import PassResult
 from host.speculator import RequestShape, Speculator, StagedEntry
-
-
-def shape_of(
-    tokens: npt.NDArray[np.uint32],
-    positions: npt.NDArray[np.uint32],
-    outputs: tuple[OutputSpec, ...],
-    adapter_id: int,
-    has_attention_mask: bool,
-    has_grammar: bool = False,
-    steps: int = 1,
-) -> RequestShape:
-    contiguous = len(positions) < 2 or bool((np.diff(positions.astype(np.int64)) == 1).all())
-    return RequestShape(
-        tokens=tuple(tokens.tolist()),  # in C: a long prefill passes through here on the loop thread
-        position=int(positions[0]),
-        outputs=outputs,
-        adapter_id=adapter_id,
-        has_grammar=has_grammar,
-        has_attention_mask=has_attention_mask,
-        explicit_positions_contiguous=contiguous,
-        steps=steps,
-    )
 
 
 class Waiter(Protocol):
@@ -65,7 +43,7 @@ class Waiter(Protocol):
 @dataclass(slots=True)
 class StagedPass:
     entry: StagedEntry
-    item: PendingPass
+    item: Pass
     result: PassResult | None = None
     waiter: Waiter | None = None  # set once a request took it
     served_shape: RequestShape | None = None
@@ -104,7 +82,7 @@ class Staging:
         if entry is not None:
             self._submit(run_id, entry)
 
-    def on_dispatched(self, item: PendingPass, shape: RequestShape | None) -> None:
+    def on_dispatched(self, item: Pass, shape: RequestShape | None) -> None:
         """`item`'s last chunk is in a pass being sent. With deferred tokens, stage the step
         after it now: after a cold request (`shape`, None when it is not a decode candidate),
         or after a staged pass."""
@@ -121,7 +99,7 @@ class Staging:
                 if follower is not None:
                     self._followers[item.ticket] = follower
 
-    def on_cold_finished(self, item: PendingPass) -> bool:
+    def on_cold_finished(self, item: Pass) -> bool:
         """A cold pass returned. With deferred tokens, its next step was staged (or skipped)
         when it was sent: fill in that step's anchor and return True. Else return False, and
         the caller stages after it now."""
@@ -132,7 +110,7 @@ class Staging:
             self._resolve(follower, item.results[-1].token)
         return True
 
-    def on_cold_failed(self, item: PendingPass) -> None:
+    def on_cold_failed(self, item: Pass) -> None:
         """A cold pass failed: the step staged after it can never be right."""
         follower = self._followers.pop(item.ticket, None)
         if follower is not None and follower.item.ticket in self._by_ticket:
@@ -173,17 +151,17 @@ class Staging:
             self._drop(ctx)
             return None
         deferred = entry.anchor is None
-        item = PendingPass(
-            ticket=self._next_ticket(),
-            run_id=run_id,
-            context_id=ctx,
+        item = Pass(
             tokens=np.array([0 if deferred else entry.anchor], np.uint32),
             positions=np.array([entry.position], np.uint32),
-            pages=self._pages.pages(ctx),
-            kv_start=self._pages.length(ctx) + offset,
             outputs=(OutputSpec(0, entry.sampler),),  # an empty constraint surface, by construction
             adapter_id=entry.adapter_id,
             deferred=deferred,
+            ticket=self._next_ticket(),
+            run_id=run_id,
+            context_id=ctx,
+            pages=self._pages.pages(ctx),
+            kv_start=self._pages.length(ctx) + offset,
         )
         staged = StagedPass(entry, item)
         chain.append(staged)
@@ -211,7 +189,7 @@ class Staging:
 
     # ------------------------------------------------------------------ results
 
-    def on_finished(self, item: PendingPass) -> bool:
+    def on_finished(self, item: Pass) -> bool:
         """Route a finished pass; True if it was a staged one (handled here)."""
         staged = self._by_ticket.pop(item.ticket, None)
         if staged is None:
@@ -235,7 +213,7 @@ class Staging:
         # was the last).
         self._grow(chain[-1] if chain else staged)
 
-    def on_failed(self, item: PendingPass, error: HostError) -> bool:
+    def on_failed(self, item: Pass, error: HostError) -> bool:
         """A staged pass failed or was cancelled; True if it was a staged one (handled here)."""
         staged = self._by_ticket.pop(item.ticket, None)
         if staged is None:

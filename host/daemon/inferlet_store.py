@@ -124,9 +124,7 @@ class InferletStore:
 
     def _existing(self, inferlet_id: str, owner: str) -> Path:
         if not _ID.match(inferlet_id):
-            raise BadRequest(
-                f"inferlet ids look like 'sha256:<64 hex digits>', got {inferlet_id!r}", param="inferlet"
-            )
+            raise BadRequest(f"inferlet ids look like 'sha256:<64 hex digits>', got {inferlet_id!r}", param="inferlet")
         path = self._path(inferlet_id)
         if not path.exists() or not self._access(inferlet_id).allows(owner):  # another key's: not found
             raise NotFound(f"no inferlet {inferlet_id}; upload it first", param="inferlet", code="inferlet_not_found")

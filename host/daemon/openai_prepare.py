@@ -76,9 +76,7 @@ def prepare_chat(
     grammar = _check_response_format(req, json_object_requires_json_word)
     tools_grammar, tool_call = _check_tools(req)
     if grammar is not None and tools_grammar is not None:
-        raise BadRequest(
-            "response_format and tools cannot both constrain the output; use one", param="response_format"
-        )
+        raise BadRequest("response_format and tools cannot both constrain the output; use one", param="response_format")
     grammar = grammar or tools_grammar
     if grammar is not None:
         _compile(grammars, grammar)
@@ -125,9 +123,7 @@ def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Toke
         else:
             bad = [t for t in raw if t >= model.vocab_size]
             if bad:
-                raise BadRequest(
-                    f"token id {bad[0]} is outside the vocabulary of {model.vocab_size}", param="prompt"
-                )
+                raise BadRequest(f"token id {bad[0]} is outside the vocabulary of {model.vocab_size}", param="prompt")
             tokens = raw
             prompts.append({"tokens": raw})
             echo.append(tokenizer.decode(raw) if req.echo else "")

@@ -13,8 +13,9 @@ from collections.abc import Iterator
 from host.errors import ContextNotFound, ContextNotOwned, InvalidRequest
 from host.page_quota import PageQuota
 from host.pages import PageCopy, PageTable
+from host.passes import Pass
 from host.prefix import NoPrefixReuse, PrefixReuse
-from host.scheduler import PendingPass, Scheduler
+from host.scheduler import Scheduler
 from host.staging import Staging
 
 
@@ -94,7 +95,7 @@ class Contexts:
             self.prefix.on_release_pages(context_id)
         return released
 
-    def cancel_pending(self, context_id: int) -> list[PendingPass]:
+    def cancel_pending(self, context_id: int) -> list[Pass]:
         """Before a release: drop the staged chain and take the context's passes from the
         scheduler (the caller fails their waiters)."""
         self._staging.invalidate(context_id)

@@ -25,12 +25,13 @@ from host.errors import DriverFailed, EngineClosed, HostError, InvalidRequest, R
 from host.page_quota import PageQuota
 from host.pages import PageCopy, PageTable
 from host.pass_check import check_holes_masked, check_request
+from host.passes import Pass
 from host.prefix import NoPrefixReuse, PrefixReuse
 from host.prefix_cache import PrefixCache
-from host.scheduler import Batch, PassLimits, PendingPass, Scheduler
+from host.scheduler import Batch, PassLimits, Scheduler
 from host.services import ModelInfo, PassRequest, PassResult, Tokenizer
 from host.speculator import RequestShape
-from host.staging import Staging, Waiter, shape_of
+from host.staging import Staging, Waiter
 from host.tokenizer import tokenizer_from_handshake
 
 # Two passes in flight: the driver works on one while the next is built and sent.
@@ -173,49 +174,30 @@ class EngineCore:
         self.contexts.check_owner(run_id, context_id)
         pages, prefix = self.pages, self.contexts.prefix
         kv_start = pages.length(context_id)
-        checked = check_request(request, kv_start, self.handshake, self._run_adapters.get(run_id, set()))
+        item = check_request(request, kv_start, self.handshake, self._run_adapters.get(run_id, set()))
         if pages.has_holes(context_id):
-            check_holes_masked(checked, pages.pages(context_id), pages.page_size)
-        steps = checked.steps if self.is_multi_step else 1
-        shape = shape_of(
-            checked.tokens,
-            checked.positions,
-            checked.outputs,
-            request.adapter_id,
-            checked.mask_rows is not None,
-            request.has_grammar,
-            steps,
-        )
+            check_holes_masked(item, pages.pages(context_id), pages.page_size)
+        if not self.is_multi_step:
+            item.steps = 1
+        shape = item.shape
         staged = self.staging.take(context_id, shape)
         if staged is not None:
             # Served by a pre-fired pass: its slot, held already, becomes part of the context.
             copies = pages.extend(context_id, 1)
             assert not copies, "a staged slot needed a page copy"
-            prefix.record(context_id, shape.tokens, [shape.position], request.adapter_id, False)
+            prefix.record(context_id, shape.tokens, [shape.position], item.adapter_id, False)
             if staged.result is None:
                 staged.waiter = waiter
             self.staging.after_served(staged)  # with deferred tokens, the next step goes now
             return staged.result
-        prefix.record(context_id, checked.tokens, checked.positions, request.adapter_id, checked.mask_rows is not None)
-        reused, checked = prefix.reuse(context_id, checked, request.adapter_id)
-        kv_start += reused
-        if steps > 1:  # as many steps as there are slots for, down to one
-            steps = max(1, min(steps, pages.free_slots(context_id)))
-        self.contexts.extend(run_id, context_id, len(checked.tokens) + steps - 1)
-        item = PendingPass(
-            ticket=next(self._tickets),
-            run_id=run_id,
-            context_id=context_id,
-            tokens=checked.tokens,
-            positions=checked.positions,
-            pages=pages.pages(context_id),
-            kv_start=kv_start,
-            outputs=checked.outputs,
-            adapter_id=request.adapter_id,
-            mask_rows=checked.mask_rows,
-            has_grammar=request.has_grammar,
-            steps=steps,
-        )
+        prefix.record(context_id, item.tokens, item.positions, item.adapter_id, item.mask_rows is not None)
+        reused, item = prefix.reuse(context_id, item)
+        if item.steps > 1:  # as many steps as there are slots for, down to one
+            item.steps = max(1, min(item.steps, pages.free_slots(context_id)))
+        self.contexts.extend(run_id, context_id, len(item.tokens) + item.steps - 1)
+        item.ticket = next(self._tickets)
+        item.run_id, item.context_id = run_id, context_id
+        item.pages, item.kv_start = pages.pages(context_id), kv_start + reused
         self._waiters[item.ticket] = waiter
         self._scheduler.submit(item)
         return None
@@ -306,7 +288,7 @@ class EngineCore:
 
     # ------------------------------------------------------------------ internals
 
-    def _on_finished(self, item: PendingPass) -> None:
+    def _on_finished(self, item: Pass) -> None:
         """A staged pass goes to `host.staging`; a cold one to its waiter, and a plain decode's
         next step is pre-fired (or, staged already while it was in flight, gets its token)."""
         self.contexts.prefix.register_completed(item.context_id, item.kv_start + len(item.tokens))
@@ -320,19 +302,11 @@ class EngineCore:
             if shape is not None:
                 self.staging.stage_after(item.run_id, item.context_id, shape, item.results[-1].token)
 
-    def _decode_shape(self, item: PendingPass) -> RequestShape | None:
+    def _decode_shape(self, item: Pass) -> RequestShape | None:
         """The speculation features of a cold pass that samples, else None."""
         if not item.outputs or not self.pages.has(item.context_id):
             return None
-        return shape_of(
-            item.tokens,
-            item.positions,
-            item.outputs,
-            item.adapter_id,
-            item.mask_rows is not None,
-            item.has_grammar,
-            item.steps,
-        )
+        return item.shape
 
     def _fail_unschedulable(self) -> None:
         """Nothing in flight and nothing fits: fail what waits rather than let it wait forever
@@ -341,7 +315,7 @@ class EngineCore:
             for item in self._scheduler.cancel(lambda p: True):
                 self._fail_item(item, InvalidRequest("the pass does not fit the driver's per-pass limits"))
 
-    def _fail_item(self, item: PendingPass, error: HostError) -> None:
+    def _fail_item(self, item: Pass, error: HostError) -> None:
         """Fail the waiter and give back the slots the pass had reserved."""
         if not self.staging.on_failed(item, error):
             self.staging.on_cold_failed(item)

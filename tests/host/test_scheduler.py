@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from bridge_schema.batch import OutputResult, OutputSpec, build_forward
 from host.pages import pages_for
-from host.scheduler import Batch, PassLimits, PendingPass, Scheduler, trim_runs
+from host.passes import Pass
+from host.scheduler import Batch, PassLimits, Scheduler, trim_runs
 
 PAGE = 4
 _tickets = itertools.count(1)
@@ -23,11 +24,11 @@ def item(
     outputs: tuple[int, ...] | None = None,
     run_id: int = 1,
     mask: bool = False,
-) -> PendingPass:
+) -> Pass:
     kv_len = kv_start + num_tokens
     rows = (num_tokens - 1,) if outputs is None else outputs
     mask_rows = [[i, kv_len - i] for i in range(num_tokens)] if mask else None
-    return PendingPass(
+    return Pass(
         ticket=next(_tickets),
         run_id=run_id,
         context_id=context_id,
@@ -220,7 +221,7 @@ def test_every_pass_completes_within_limits_with_its_chunks_in_order(
         sched.submit(p)
     progress = {p.ticket: 0 for p in items}
     flying: list[Batch] = []
-    finished: list[PendingPass] = []
+    finished: list[Pass] = []
     for _ in range(10_000):
         while len(flying) < in_flight and (batch := sched.next_batch()) is not None:
             assert len(batch.chunks) <= max_requests and batch.num_tokens <= max_tokens

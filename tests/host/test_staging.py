@@ -10,8 +10,9 @@ import numpy as np
 
 from bridge_schema.batch import OutputResult, OutputSpec, Sampler
 from host.pages import PageTable
-from host.scheduler import Batch, PassLimits, PendingPass, Scheduler
-from host.staging import StagedPass, Staging, shape_of
+from host.passes import Pass
+from host.scheduler import Batch, PassLimits, Scheduler
+from host.staging import StagedPass, Staging
 
 CTX, RUN, PAGE = 1, 1, 4
 SAMPLER = Sampler.greedy()
@@ -27,11 +28,11 @@ class Harness:
         self.pages.extend(CTX, 3)  # a prompt, already in the cache
         self.batches: list[Batch] = []
 
-    def cold(self, token: int) -> PendingPass:
+    def cold(self, token: int) -> Pass:
         """The inferlet's own decode request, cold, as the engine would queue it."""
         kv_start = self.pages.length(CTX)
         self.pages.extend(CTX, 1)
-        item = PendingPass(
+        item = Pass(
             ticket=next(self.tickets),
             run_id=RUN,
             context_id=CTX,
@@ -44,17 +45,17 @@ class Harness:
         self.scheduler.submit(item)
         return item
 
-    def dispatch(self) -> list[PendingPass]:
+    def dispatch(self) -> list[Pass]:
         """Build the next pass and tell staging it is being sent, as the loop thread does."""
         batch = self.scheduler.next_batch()
         assert batch is not None
         for chunk in batch.chunks:
             item = chunk.item
-            self.staging.on_dispatched(item, shape_of(item.tokens, item.positions, item.outputs, -1, False))
+            self.staging.on_dispatched(item, item.shape)
         self.batches.append(batch)
         return [c.item for c in batch.chunks]
 
-    def finish_oldest(self, token: int) -> PendingPass:
+    def finish_oldest(self, token: int) -> Pass:
         batch = self.batches.pop(0)
         (item,) = self.scheduler.complete(batch, [[OutputResult(token)]])
         if not self.staging.on_finished(item):
@@ -64,7 +65,7 @@ class Harness:
     def request(self, token: int, position: int) -> StagedPass | None:
         """The inferlet asks for a decode step: the staged pass that serves it, if any."""
         tokens, positions = np.array([token], np.uint32), np.array([position], np.uint32)
-        return self.staging.take(CTX, shape_of(tokens, positions, (OutputSpec(0, SAMPLER),), -1, False))
+        return self.staging.take(CTX, Pass(tokens=tokens, positions=positions, outputs=(OutputSpec(0, SAMPLER),)).shape)
 
     def waiting(self) -> list[tuple[int, bool]]:
         """(position, deferred) of the passes queued and not yet sent."""

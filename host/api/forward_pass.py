@@ -70,17 +70,14 @@ def _apply_matchers(run: RunState, builder: PassBuilder) -> str | None:
     return None
 
 
-def validate(run: RunState, builder: PassBuilder) -> str | None:
-    """Why `builder` cannot run as it is (the error the guest gets), or None."""
+def validate(builder: PassBuilder) -> str | None:
+    """Why `builder` cannot run as it is (the error the guest gets), or None. Only what the
+    matchers need settled first: the engine checks the rest of the pass against the handshake
+    where it enters (host.pass_check: token and position ranges, rows, samplers, masks)."""
     if builder.is_executed:
         return "this forward pass was already executed; create a new one"
     if not builder.tokens:
         return "a forward pass needs at least one input token"
-    vocab_size = run.services.model.vocab_size
-    if any(t >= vocab_size for t in builder.tokens):
-        return f"input token out of range (vocabulary size {vocab_size})"
-    if builder.positions is not None and len(builder.positions) != len(builder.tokens):
-        return f"{len(builder.positions)} positions given for {len(builder.tokens)} input tokens"
     for spec in builder.outputs:
         if spec.row >= len(builder.tokens):
             return f"output row {spec.row} is outside the pass's {len(builder.tokens)} input tokens"
@@ -102,7 +99,7 @@ def _output_record(spec: OutputSpec, result: OutputResult) -> Record:
 def pass_request(run: RunState, builder: PassBuilder) -> tuple[int, PassRequest] | str:
     """Validate `builder` and fill its matcher masks: (context id, request), or the error the
     guest gets. Marks the builder executed."""
-    problem = validate(run, builder) or _apply_matchers(run, builder)
+    problem = validate(builder) or _apply_matchers(run, builder)
     if problem is not None:
         return problem
     builder.is_executed = True

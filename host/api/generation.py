@@ -24,7 +24,7 @@ def _generate_problem(run: RunState, builder: PassBuilder) -> str | None:
     """Why `builder` cannot be the first step of `generate`, or None."""
     if builder.submitted is not None:
         return "this forward pass was submitted: execute it instead"
-    problem = validate(run, builder)
+    problem = validate(builder)
     if problem is not None:
         return problem
     if len(builder.outputs) != 1 or builder.outputs[0].row != len(builder.tokens) - 1:

@@ -6,6 +6,7 @@ for several steps only once it knows passes are short."""
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -170,3 +171,25 @@ def test_multi_step_generations_and_speculation_interleave(depth: int) -> None:
         assert got == expected[:40]
         assert e.speculation_stats()["speculation_hits"] > 0  # the single steps were served staged
         e.end_run(run)
+
+
+def test_a_generations_next_step_runs_with_the_engine_lock_released(engine: Engine) -> None:
+    """`next_step` fills grammar masks and writes output: another thread's engine call must not
+    wait for it (the lock every run thread needs is not held while it runs)."""
+    run = next(_runs)
+    served_meanwhile: list[bool] = []
+
+    def next_step(result: PassResult) -> tuple[int, PassRequest | None]:
+        other = threading.Thread(target=lambda: engine.num_free_pages)  # takes the engine lock
+        other.start()
+        other.join(timeout=10)  # a deadlock detector, not a timing: held, it waits for us
+        served_meanwhile.append(not other.is_alive())
+        done = len(served_meanwhile) == 3
+        return len(result.outputs), None if done else _step(result.outputs[-1].token, Sampler())
+
+    try:
+        ctx, token = _prompt(engine, run, Sampler())
+        engine.generate(run, ctx, _step(token, Sampler()), next_step)
+        assert served_meanwhile == [True, True, True]
+    finally:
+        engine.end_run(run)

@@ -1,5 +1,5 @@
 """The shape of the host's code, checked like its imports are (pyproject's import contracts):
-no class's private state read from another module."""
+no module too long to read whole, and no class's private state read from another module."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import ast
 from pathlib import Path
 
 HOST = Path(__file__).resolve().parents[2] / "host"
+MAX_MODULE_LINES = 400
 
 
 def _modules() -> dict[Path, ast.Module]:
@@ -47,6 +48,15 @@ def _foreign_reads(modules: dict[Path, ast.Module]) -> list[str]:
             if node.attr in elsewhere and node.attr not in defined[path]:
                 found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
     return found
+
+
+def test_no_host_module_is_longer_than_the_limit() -> None:
+    long = {
+        str(path.relative_to(HOST.parent)): n
+        for path in sorted(HOST.rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"host modules over {MAX_MODULE_LINES} lines (split them by responsibility): {long}"
 
 
 def test_no_module_reads_another_modules_private_state() -> None:

@@ -1,0 +1,147 @@
+"""The engine core on its own: no thread, no loop, no driver. A test plays the loop (next_batch,
+then complete with made-up results), which is what the core being thread-free buys: each verb's
+rule can be checked step by step, deterministically."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+from bridge_schema.batch import OutputResult, OutputSpec, Sampler
+from bridge_schema.messages import Handshake
+from host.engine import EngineConfig
+from host.engine.core import EngineCore
+from host.errors import EngineClosed, InvalidRequest
+from host.scheduler import Batch
+from host.services import PassRequest, PassResult
+
+PAGE = 4
+RUN = 1
+
+
+def handshake() -> Handshake:
+    return Handshake(
+        model_name="test",
+        vocab_size=300,
+        page_size=PAGE,
+        num_pages=64,
+        max_context=4096,
+        max_requests_per_pass=64,
+        max_tokens_per_pass=4096,
+        max_probe_k=8,
+    )
+
+
+def core(**config: int) -> EngineCore:
+    return EngineCore(EngineConfig("loopback", **config), handshake())  # type: ignore[arg-type]
+
+
+def decode(token: int) -> PassRequest:
+    return PassRequest(tokens=[token], outputs=[OutputSpec(0, Sampler())])
+
+
+def answer(c: EngineCore, tokens: list[int]) -> list[tuple[object, PassResult]]:
+    """Play the driver for the next batch: its outputs sample `tokens` in order."""
+    batch = c.next_batch()
+    assert isinstance(batch, Batch)
+    picks = iter(tokens)
+    outputs = [[OutputResult(next(picks)) for _ in chunk.spec.outputs] for chunk in batch.chunks]
+    return c.complete(batch, outputs, 0.001)
+
+
+def test_a_pass_goes_in_with_submit_and_comes_back_through_complete() -> None:
+    c = core()
+    ctx = c.create_context(RUN)
+    waiter: concurrent.futures.Future[PassResult] = concurrent.futures.Future()
+    assert c.submit(RUN, ctx, PassRequest(tokens=[1, 2, 3], outputs=[OutputSpec(2, Sampler())]), waiter) is None
+    assert not waiter.done()  # nothing moves until the loop asks for a batch
+    answer(c, [42])
+    assert waiter.result(0).outputs[0].token == 42
+    assert c.pages.length(ctx) == 3 and c.num_in_flight == 0
+
+
+@pytest.mark.parametrize("verb", ["fork", "truncate", "release pages of"])
+def test_a_context_with_a_pending_pass_cannot_be_forked_truncated_or_punched(verb: str) -> None:
+    c = core()
+    ctx = c.create_context(RUN)
+    c.submit(RUN, ctx, PassRequest(tokens=list(range(1, 10)), outputs=[OutputSpec(8, Sampler())]), _future())
+    act = {
+        "fork": lambda: c.fork_context(RUN, ctx),
+        "truncate": lambda: c.truncate_context(RUN, ctx, 2),
+        "release pages of": lambda: c.release_slots(RUN, ctx, 0, 8),
+    }[verb]
+    with pytest.raises(InvalidRequest, match=f"cannot {verb} context {ctx} while a forward pass on it is pending"):
+        act()
+    answer(c, [7])
+    act()  # settled: allowed now
+
+
+def test_shut_down_fails_every_waiter_left() -> None:
+    c = core()
+    ctx = c.create_context(RUN)
+    queued, sent = _future(), _future()
+    c.submit(RUN, ctx, decode(1), sent)
+    assert c.next_batch() is not None  # in flight when the loop ends
+    other = c.create_context(RUN)
+    c.submit(RUN, other, decode(2), queued)
+    c.shut_down()
+    for waiter in (queued, sent):
+        with pytest.raises(EngineClosed):
+            waiter.result(0)
+    with pytest.raises(EngineClosed):
+        c.create_context(RUN)
+
+
+class _Generation:
+    """A continuation as host-side generation is one: its result comes back through the core."""
+
+    def __init__(self, c: EngineCore) -> None:
+        self.core = c
+        self.continued: list[PassResult] = []
+
+    def set_result(self, result: PassResult) -> None:
+        self.core.continue_later(self, result)
+
+    def set_exception(self, exception: BaseException) -> None:
+        raise AssertionError(exception)
+
+    def done(self) -> bool:
+        return False
+
+    def continue_from(self, result: PassResult) -> None:
+        self.continued.append(result)
+
+
+def test_complete_hands_generations_back_instead_of_continuing_them_itself() -> None:
+    """The caller continues them once the lock is released (grammar masks, output)."""
+    c = core()
+    ctx = c.create_context(RUN)
+    generation = _Generation(c)
+    c.submit(RUN, ctx, decode(5), generation)
+    ready = answer(c, [9])
+    assert generation.continued == []
+    assert [(g, r.outputs[0].token) for g, r in ready] == [(generation, 9)]
+
+
+def test_a_slot_served_from_a_staged_pass_is_named_for_prefix_reuse() -> None:
+    """A decode step answered by a pre-fired pass adds its slot to the context's history too,
+    so the page it completes can be reused by the next context with the same prefix."""
+    c = core(prefix_match_unit=PAGE, speculation_depth=1, page_size=PAGE)
+    ctx = c.create_context(RUN)
+    c.submit(RUN, ctx, PassRequest(tokens=[1, 2], outputs=[OutputSpec(1, Sampler())]), _future())
+    answer(c, [50])
+    c.submit(RUN, ctx, decode(50), _future())  # a plain decode step, cold
+    answer(c, [60])  # its next step (60 at position 3) is pre-fired now
+    served = _future()
+    assert c.submit(RUN, ctx, decode(60), served) is None  # taken by the staged pass, still out
+    answer(c, [70])
+    assert served.result(0).outputs[0].token == 70
+    assert c.staging.stats()["speculation_hits"] == 1
+    again = c.create_context(RUN)  # the same first page: 1, 2, 50, 60
+    c.submit(RUN, again, PassRequest(tokens=[1, 2, 50, 60, 70], outputs=[OutputSpec(4, Sampler())]), _future())
+    assert c.contexts.prefix.stats()["prefix_tokens_reused"] == PAGE
+
+
+def _future() -> concurrent.futures.Future[PassResult]:
+    return concurrent.futures.Future()

@@ -8,7 +8,6 @@ Pure, like the other cores: the engine core calls it with the engine's lock held
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 
 from host.errors import ContextNotFound, ContextNotOwned, InvalidRequest
 from host.page_quota import PageQuota
@@ -48,9 +47,6 @@ class Contexts:
 
     def of_run(self, run_id: int) -> list[int]:
         return [c for c, r in self._owner.items() if r == run_id]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(list(self._owner))
 
     def check_idle(self, context_id: int, what: str) -> None:
         """Fork and truncate need the context's KV settled: its pending pass's pages would

@@ -1,7 +1,10 @@
 """The engine side of pass-level speculation: turns the speculator's staged entries into pending
 passes, serves a matching inferlet request from one, and drops them when a chain is invalidated.
 
-Every method is called with the engine's lock held. The decisions (what may be staged, what a
+It sits beside the engine core, not inside it (host.engine.speculation wires the two): staged
+passes go into the core through `PassSink.enqueue` like any other, and their results come back
+the way every pass's result does, through the waiter they were enqueued with (the `StagedPass`
+itself). Every method is called with the engine's lock held. The decisions (what may be staged, what a
 staged entry may serve) belong to `host.speculator`; this module only moves passes and results.
 
 With a driver that has the "deferred_tokens" capability, a context's next step is staged as soon
@@ -14,17 +17,14 @@ matches no request.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
 from bridge_schema.batch import OutputSpec
-from host.errors import HostError
 from host.pages import PageTable
 from host.passes import Pass
-from host.scheduler import Scheduler
 from host.services import PassResult
 from host.speculator import RequestShape, Speculator, StagedEntry
 
@@ -40,15 +40,43 @@ class Waiter(Protocol):
     def done(self) -> bool: ...
 
 
-@dataclass(slots=True)
+class PassSink(Protocol):
+    """Where staged passes go: the engine core's queue (host.engine.core)."""
+
+    def enqueue(self, item: Pass, waiter: Waiter) -> None:
+        """Queue `item` (its ticket set here); `waiter` gets its result or its error."""
+        ...
+
+    def cancel(self, tickets: set[int]) -> None:
+        """Drop these passes, waiting or in flight, without telling their waiters."""
+        ...
+
+
+# What `Staging.stats` reports with speculation off.
+NO_STATS = {"speculation_hits": 0, "speculation_staged": 0}
+
+
+@dataclass(slots=True, eq=False)
 class StagedPass:
+    """A pre-fired pass, and the waiter the core hands its result (or error) to."""
+
     entry: StagedEntry
     item: Pass
+    staging: Staging = field(repr=False)
     result: PassResult | None = None
     waiter: Waiter | None = None  # set once a request took it
     served_shape: RequestShape | None = None
     is_dispatched: bool = False  # in a pass sent to the driver
     has_next: bool = False  # the context's next step was staged from this one
+
+    def set_result(self, result: PassResult) -> None:
+        self.staging.on_returned(self, result)
+
+    def set_exception(self, exception: BaseException) -> None:
+        self.staging.on_failed(self, exception)
+
+    def done(self) -> bool:
+        return self.result is not None
 
 
 class Staging:
@@ -56,23 +84,17 @@ class Staging:
         self,
         depth: int,
         pages: PageTable,
-        scheduler: Scheduler,
-        next_ticket: Callable[[], int],
+        sink: PassSink,
         deferred_tokens: bool = False,
     ) -> None:
         self.speculator = Speculator(depth=depth)
         self._pages = pages
-        self._scheduler = scheduler
-        self._next_ticket = next_ticket
+        self._sink = sink
         self._deferred_tokens = deferred_tokens  # the driver fills in tokens still in flight
         self._by_ticket: dict[int, StagedPass] = {}
         self._chains: dict[int, list[StagedPass]] = {}  # context -> staged passes, chain order
         self._followers: dict[int, StagedPass] = {}  # ticket of a pass in flight -> the step staged after it
         self.num_staged = 0
-
-    @property
-    def is_enabled(self) -> bool:
-        return self.speculator.depth > 0
 
     # ------------------------------------------------------------------ producer
 
@@ -99,16 +121,23 @@ class Staging:
                 if follower is not None:
                     self._followers[item.ticket] = follower
 
-    def on_cold_finished(self, item: Pass) -> bool:
-        """A cold pass returned. With deferred tokens, its next step was staged (or skipped)
-        when it was sent: fill in that step's anchor and return True. Else return False, and
-        the caller stages after it now."""
-        if not self._deferred_tokens:
-            return False
-        follower = self._followers.pop(item.ticket, None)
-        if follower is not None:
-            self._resolve(follower, item.results[-1].token)
-        return True
+    def watch(self, waiter: Waiter) -> ColdPass:
+        """The waiter to queue a cold pass that samples with: `waiter` gets its result first,
+        then the context's next step is staged after it (its `item` is set once queued)."""
+        return ColdPass(waiter, self)
+
+    def on_cold_returned(self, item: Pass, result: PassResult) -> None:
+        """A cold pass returned. With deferred tokens its next step was staged (or skipped) when
+        it was sent: fill in that step's anchor. Else stage the next step now."""
+        if not result.outputs:
+            return
+        token = result.outputs[-1].token
+        if self._deferred_tokens:
+            follower = self._followers.pop(item.ticket, None)
+            if follower is not None:
+                self._resolve(follower, token)
+        elif self._pages.has(item.context_id):  # its shape is taken when it returns, not when sent
+            self.stage_after(item.run_id, item.context_id, item.shape, token)
 
     def on_cold_failed(self, item: Pass) -> None:
         """A cold pass failed: the step staged after it can never be right."""
@@ -157,16 +186,15 @@ class Staging:
             outputs=(OutputSpec(0, entry.sampler),),  # an empty constraint surface, by construction
             adapter_id=entry.adapter_id,
             deferred=deferred,
-            ticket=self._next_ticket(),
             run_id=run_id,
             context_id=ctx,
             pages=self._pages.pages(ctx),
             kv_start=self._pages.length(ctx) + offset,
         )
-        staged = StagedPass(entry, item)
+        staged = StagedPass(entry, item, self)
+        self._sink.enqueue(item, staged)
         chain.append(staged)
         self._by_ticket[item.ticket] = staged
-        self._scheduler.submit(item)
         self.num_staged += 1
         return staged
 
@@ -189,19 +217,18 @@ class Staging:
 
     # ------------------------------------------------------------------ results
 
-    def on_finished(self, item: Pass) -> bool:
-        """Route a finished pass; True if it was a staged one (handled here)."""
-        staged = self._by_ticket.pop(item.ticket, None)
-        if staged is None:
-            return False
-        staged.result = PassResult(outputs=item.results)
-        follower = self._followers.pop(item.ticket, None)
-        if follower is not None:
-            self._resolve(follower, item.results[-1].token)
+    def on_returned(self, staged: StagedPass, result: PassResult) -> None:
+        """A staged pass returned (the core hands it over as the pass's waiter)."""
+        ticket = staged.item.ticket
+        if self._by_ticket.pop(ticket, None) is None:
+            return  # dropped meanwhile
+        staged.result = result
+        follower = self._followers.pop(ticket, None)
+        if follower is not None and result.outputs:
+            self._resolve(follower, result.outputs[-1].token)
         self._grow(staged)
         if staged.waiter is not None:
-            staged.waiter.set_result(staged.result)
-        return True
+            staged.waiter.set_result(result)
 
     def after_served(self, staged: StagedPass) -> None:
         """A request was answered from `staged` (its result is known, or a waiter is set): stage
@@ -213,16 +240,15 @@ class Staging:
         # was the last).
         self._grow(chain[-1] if chain else staged)
 
-    def on_failed(self, item: Pass, error: HostError) -> bool:
-        """A staged pass failed or was cancelled; True if it was a staged one (handled here)."""
-        staged = self._by_ticket.pop(item.ticket, None)
-        if staged is None:
-            return False
-        self._followers.pop(item.ticket, None)
+    def on_failed(self, staged: StagedPass, error: BaseException) -> None:
+        """A staged pass failed: the request that took it gets the error, and its chain goes."""
+        ticket = staged.item.ticket
+        if self._by_ticket.pop(ticket, None) is None:
+            return  # dropped meanwhile
+        self._followers.pop(ticket, None)
         if staged.waiter is not None and not staged.waiter.done():
             staged.waiter.set_exception(error)
-        self._drop(item.context_id)
-        return True
+        self._drop(staged.item.context_id)
 
     # ------------------------------------------------------------------ invalidation
 
@@ -237,11 +263,37 @@ class Staging:
         for ticket in tickets:
             self._by_ticket.pop(ticket, None)
         if tickets:
-            self._scheduler.cancel(lambda p: p.ticket in tickets)
+            self._sink.cancel(tickets)
 
     def stats(self) -> dict[str, int]:
+        """Hits, staged passes, misses and skips by reason."""
         s = self.speculator
         out = {"speculation_hits": s.hits, "speculation_staged": self.num_staged}
         out |= {f"speculation_miss_{k}": v for k, v in s.misses.items()}
         out |= {f"speculation_skip_{k}": v for k, v in s.skips.items()}
         return out
+
+
+class ColdPass:
+    """The waiter of a cold pass that samples: its own waiter gets the result (or the error),
+    then staging follows up on it (`Staging.watch`)."""
+
+    __slots__ = ("item", "staging", "waiter")
+
+    def __init__(self, waiter: Waiter, staging: Staging) -> None:
+        self.waiter = waiter
+        self.staging = staging
+        self.item: Pass | None = None  # the pass as queued (after prefix reuse trimmed it)
+
+    def set_result(self, result: PassResult) -> None:
+        self.waiter.set_result(result)
+        assert self.item is not None, "a cold pass returned before it was queued"
+        self.staging.on_cold_returned(self.item, result)
+
+    def set_exception(self, exception: BaseException) -> None:
+        if self.item is not None:
+            self.staging.on_cold_failed(self.item)
+        self.waiter.set_exception(exception)
+
+    def done(self) -> bool:
+        return self.waiter.done()

@@ -1,6 +1,7 @@
 """Every context's lifecycle in one place: the run that owns it, its KV pages (host.pages),
-prefix reuse (host.prefix; a null object when off), the staged chain that assumed its old state
-(host.staging), and the runs' shares of the page pool (host.page_quota).
+prefix reuse (host.prefix; a null object when off), whoever must hear that its state changed
+(speculation: the staged chain that assumed the old state goes, host.engine.speculation), and
+the runs' shares of the page pool (host.page_quota).
 
 Pure, like the other cores: the engine core calls it with the engine's lock held.
 """
@@ -8,6 +9,7 @@ Pure, like the other cores: the engine core calls it with the engine's lock held
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 from host.errors import ContextNotFound, ContextNotOwned, InvalidRequest
 from host.page_quota import PageQuota
@@ -15,7 +17,6 @@ from host.pages import PageCopy, PageTable
 from host.passes import Pass
 from host.prefix import NoPrefixReuse, PrefixReuse
 from host.scheduler import Scheduler
-from host.staging import Staging
 
 
 class Contexts:
@@ -23,13 +24,12 @@ class Contexts:
         self,
         pages: PageTable,
         prefix: PrefixReuse | NoPrefixReuse,
-        staging: Staging,
         scheduler: Scheduler,
         quota: PageQuota,
     ) -> None:
         self.pages = pages
         self.prefix = prefix
-        self._staging = staging
+        self._listeners: list[Callable[[int], None]] = []  # told a context's state changed
         self._scheduler = scheduler
         self._quota = quota
         self._ids = itertools.count(1)
@@ -48,6 +48,15 @@ class Contexts:
     def of_run(self, run_id: int) -> list[int]:
         return [c for c, r in self._owner.items() if r == run_id]
 
+    def subscribe(self, listener: Callable[[int], None]) -> None:
+        """`listener(context_id)` is called before a context is forked, truncated, punched,
+        cancelled or released."""
+        self._listeners.append(listener)
+
+    def invalidate(self, context_id: int) -> None:
+        for listener in self._listeners:
+            listener(context_id)
+
     def check_idle(self, context_id: int, what: str) -> None:
         """Fork and truncate need the context's KV settled: its pending pass's pages would
         otherwise be copied before they are written, or freed under it."""
@@ -65,7 +74,7 @@ class Contexts:
 
     def fork(self, run_id: int, context_id: int) -> int:
         self.check_owner(run_id, context_id)
-        self._staging.invalidate(context_id)
+        self.invalidate(context_id)
         self.check_idle(context_id, "fork")
         # A fork shares its parent's pages; it is charged them all (its own from the first
         # write on), and the copy of the partial page.
@@ -79,12 +88,12 @@ class Contexts:
 
     def truncate(self, context_id: int, length: int) -> None:
         """The context keeps its first `length` slots; its staged chain is dropped."""
-        self._staging.invalidate(context_id)
+        self.invalidate(context_id)
         self.pages.truncate(context_id, length)
         self.prefix.on_truncate(context_id, length)
 
     def release_slots(self, context_id: int, start: int, stop: int) -> int:
-        self._staging.invalidate(context_id)
+        self.invalidate(context_id)
         self.check_idle(context_id, "release pages of")
         released = self.pages.release_pages(context_id, start, stop)
         if released:
@@ -94,11 +103,11 @@ class Contexts:
     def cancel_pending(self, context_id: int) -> list[Pass]:
         """Before a release: drop the staged chain and take the context's passes from the
         scheduler (the caller fails their waiters)."""
-        self._staging.invalidate(context_id)
+        self.invalidate(context_id)
         return self._scheduler.cancel(lambda p: p.context_id == context_id)
 
     def release(self, context_id: int) -> None:
-        self._staging.invalidate(context_id)
+        self.invalidate(context_id)
         self.pages.release(context_id)
         self.prefix.on_release(context_id)
         del self._owner[context_id]
@@ -110,6 +119,13 @@ class Contexts:
         gets all its pages now or fails at once (`OutOfPages`, `PageQuotaExceeded`)."""
         self.check_quota(run_id, context_id, num_slots)
         self._copies += self.pages.extend(context_id, num_slots)
+
+    def adopt_reserved(self, context_id: int, item: Pass) -> None:
+        """`item` (one decode step) was answered by a pass pre-fired into the context's next
+        slot: that slot, reserved then, becomes part of the context."""
+        copies = self.pages.extend(context_id, 1)
+        assert not copies, "a reserved slot needed a page copy"
+        self.prefix.record(context_id, item.tokens, item.positions, item.adapter_id, False)
 
     def take_copies(self) -> list[PageCopy]:
         copies, self._copies = self._copies, []

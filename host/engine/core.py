@@ -2,14 +2,19 @@
 configuration and the driver's handshake, changed only through a few verbs.
 
 Thread-free and clock-free, like the cores it composes (host.pages, host.scheduler,
-host.staging, host.prefix): the thread-facing `Engine` facade and the loop (host.engine.loop)
-call it with the engine's lock held. Its verbs:
+host.prefix): the thread-facing `Engine` facade and the loop (host.engine.loop) call it with
+the engine's lock held. Its verbs:
 
 - the context verbs (`create_context`, `fork_context`, `truncate_context`, `release_context`,
   `release_slots`, `end_run`), on `host.engine.contexts.Contexts`, the lifecycle owner;
-- `submit`: check a pass and queue it (or serve it from a staged pass);
+- `submit` (= `check_pass` + `queue`): check a pass and queue it; every result or error goes to
+  the waiter it was queued with;
 - `next_batch` / `complete` / `fail` / `isolate`: the loop's side, one driver pass at a time;
 - `break_link` / `shut_down`: the link is gone, or the loop ends.
+
+Pass-level speculation is not in here: host.engine.speculation is a layer around `submit` and
+`next_batch`, which queues its pre-fired passes through `enqueue` and hears of their results
+through their waiters, like any other client of the core.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import itertools
 from typing import Protocol
 
 from bridge_schema.batch import OutputResult
-from bridge_schema.messages import DEFERRED_TOKENS, MULTI_STEP, Handshake
+from bridge_schema.messages import MULTI_STEP, Handshake
 from host.engine.config import EngineConfig
 from host.engine.contexts import Contexts
 from host.errors import DriverFailed, EngineClosed, HostError, InvalidRequest, RunEnded
@@ -30,8 +35,7 @@ from host.prefix import NoPrefixReuse, PrefixReuse
 from host.prefix_cache import PrefixCache
 from host.scheduler import Batch, PassLimits, Scheduler
 from host.services import ModelInfo, PassRequest, PassResult, Tokenizer
-from host.speculator import RequestShape
-from host.staging import Staging, Waiter
+from host.staging import NO_STATS, Waiter
 from host.tokenizer import tokenizer_from_handshake
 
 # Two passes in flight: the driver works on one while the next is built and sent.
@@ -74,16 +78,9 @@ class EngineCore:
         )
         self._scheduler = Scheduler(limits, h.page_size)
         self._tickets = itertools.count(1)
-        self.staging = Staging(
-            config.speculation_depth,
-            pages,
-            self._scheduler,
-            lambda: next(self._tickets),
-            deferred_tokens=DEFERRED_TOKENS in h.capabilities,
-        )
         quota = PageQuota(h.num_pages, config.max_run_page_fraction, config.max_group_page_fraction)
         prefix = PrefixReuse(pages, cache) if cache is not None else NoPrefixReuse()
-        self.contexts = Contexts(pages, prefix, self.staging, self._scheduler, quota)
+        self.contexts = Contexts(pages, prefix, self._scheduler, quota)
         self.pages = pages
         self._waiters: dict[int, Waiter] = {}  # ticket -> who gets the pass's result
         self._ready: list[tuple[Continuation, PassResult]] = []  # generations to continue
@@ -129,7 +126,7 @@ class EngineCore:
 
     def truncate_context(self, run_id: int, context_id: int, length: int) -> None:
         self.contexts.check_owner(run_id, context_id)
-        self.staging.invalidate(context_id)
+        self.contexts.invalidate(context_id)  # a staged pass on it would count as pending
         self.contexts.check_idle(context_id, "truncate")
         self.contexts.truncate(context_id, length)
 
@@ -168,39 +165,51 @@ class EngineCore:
     # ------------------------------------------------------------------ passes
 
     def submit(self, run_id: int, context_id: int, request: PassRequest, waiter: Waiter) -> PassResult | None:
-        """Queue one pass. Returns its result when a staged pass that already returned serves
-        it; else `waiter` gets the result (or the error) when it comes."""
+        """Queue one pass; `waiter` gets its result (or the error) when it comes. Returns None
+        here; a layer that can answer at once (host.engine.speculation) returns the result."""
+        self.queue(self.check_pass(run_id, context_id, request), waiter)
+        return None
+
+    def check_pass(self, run_id: int, context_id: int, request: PassRequest) -> Pass:
+        """The request, checked against the context and the driver, as a pass not yet queued."""
         self.check_usable()
         self.contexts.check_owner(run_id, context_id)
-        pages, prefix = self.pages, self.contexts.prefix
-        kv_start = pages.length(context_id)
-        item = check_request(request, kv_start, self.handshake, self._run_adapters.get(run_id, set()))
+        pages = self.pages
+        item = check_request(request, pages.length(context_id), self.handshake, self._run_adapters.get(run_id, set()))
         if pages.has_holes(context_id):
             check_holes_masked(item, pages.pages(context_id), pages.page_size)
         if not self.is_multi_step:
             item.steps = 1
-        shape = item.shape
-        staged = self.staging.take(context_id, shape)
-        if staged is not None:
-            # Served by a pre-fired pass: its slot, held already, becomes part of the context.
-            copies = pages.extend(context_id, 1)
-            assert not copies, "a staged slot needed a page copy"
-            prefix.record(context_id, shape.tokens, [shape.position], item.adapter_id, False)
-            if staged.result is None:
-                staged.waiter = waiter
-            self.staging.after_served(staged)  # with deferred tokens, the next step goes now
-            return staged.result
+        item.run_id, item.context_id = run_id, context_id
+        return item
+
+    def queue(self, item: Pass, waiter: Waiter) -> Pass:
+        """Queue a checked pass: prefix reuse may trim it, its slots are reserved (all now, or it
+        fails at once). Returns the pass as queued."""
+        run_id, context_id, pages, prefix = item.run_id, item.context_id, self.pages, self.contexts.prefix
+        kv_start = pages.length(context_id)
         prefix.record(context_id, item.tokens, item.positions, item.adapter_id, item.mask_rows is not None)
         reused, item = prefix.reuse(context_id, item)
         if item.steps > 1:  # as many steps as there are slots for, down to one
             item.steps = max(1, min(item.steps, pages.free_slots(context_id)))
         self.contexts.extend(run_id, context_id, len(item.tokens) + item.steps - 1)
-        item.ticket = next(self._tickets)
-        item.run_id, item.context_id = run_id, context_id
         item.pages, item.kv_start = pages.pages(context_id), kv_start + reused
+        self.enqueue(item, waiter)
+        return item
+
+    def enqueue(self, item: Pass, waiter: Waiter) -> None:
+        """Give `item` (its run, context, pages and KV start set) a ticket and queue it."""
+        item.ticket = next(self._tickets)
         self._waiters[item.ticket] = waiter
         self._scheduler.submit(item)
-        return None
+
+    def cancel(self, tickets: set[int]) -> None:
+        """Drop these passes, waiting or in flight, without telling their waiters."""
+        for item in self._scheduler.cancel(lambda p: p.ticket in tickets):
+            self._waiters.pop(item.ticket, None)
+
+    def speculation_stats(self) -> dict[str, int]:
+        return dict(NO_STATS)
 
     def max_decode_steps(self) -> int:
         """Steps per multi-step request: as many as fit in `MULTI_STEP_BUDGET_S` of the device
@@ -226,12 +235,6 @@ class EngineCore:
                 self._fail_unschedulable()
             return None
         self.num_in_flight += 1
-        if self.staging.is_enabled:
-            # With deferred tokens, each decode step in the pass that finishes its request has
-            # its next step staged now, to follow it at the driver.
-            for chunk in batch.chunks:
-                if chunk.is_last and not chunk.item.is_cancelled:
-                    self.staging.on_dispatched(chunk.item, self._decode_shape(chunk.item))
         return batch
 
     def complete(
@@ -282,31 +285,17 @@ class EngineCore:
         """The loop ended: every waiter left fails."""
         self.is_closing = True
         error = self.broken or EngineClosed("the engine closed while the pass waited")
-        for waiter in self._waiters.values():
+        waiters, self._waiters = self._waiters, {}
+        for waiter in waiters.values():
             waiter.set_exception(error)
-        self._waiters.clear()
 
     # ------------------------------------------------------------------ internals
 
     def _on_finished(self, item: Pass) -> None:
-        """A staged pass goes to `host.staging`; a cold one to its waiter, and a plain decode's
-        next step is pre-fired (or, staged already while it was in flight, gets its token)."""
         self.contexts.prefix.register_completed(item.context_id, item.kv_start + len(item.tokens))
-        if self.staging.on_finished(item):
-            return
         waiter = self._waiters.pop(item.ticket, None)
         if waiter is not None:
             waiter.set_result(PassResult(outputs=item.results))
-        if self.staging.is_enabled and item.results and not self.staging.on_cold_finished(item):
-            shape = self._decode_shape(item)  # staged when it returns, not when it was sent
-            if shape is not None:
-                self.staging.stage_after(item.run_id, item.context_id, shape, item.results[-1].token)
-
-    def _decode_shape(self, item: Pass) -> RequestShape | None:
-        """The speculation features of a cold pass that samples, else None."""
-        if not item.outputs or not self.pages.has(item.context_id):
-            return None
-        return item.shape
 
     def _fail_unschedulable(self) -> None:
         """Nothing in flight and nothing fits: fail what waits rather than let it wait forever
@@ -317,11 +306,9 @@ class EngineCore:
 
     def _fail_item(self, item: Pass, error: HostError) -> None:
         """Fail the waiter and give back the slots the pass had reserved."""
-        if not self.staging.on_failed(item, error):
-            self.staging.on_cold_failed(item)
-            waiter = self._waiters.pop(item.ticket, None)
-            if waiter is not None:
-                waiter.set_exception(error)
+        waiter = self._waiters.pop(item.ticket, None)
+        if waiter is not None:
+            waiter.set_exception(error)
         end = item.kv_start + len(item.tokens)
         if self.pages.has(item.context_id) and self.pages.length(item.context_id) == end:
             self.contexts.truncate(item.context_id, item.kv_start)

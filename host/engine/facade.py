@@ -194,7 +194,7 @@ class Engine:
     def speculation_stats(self) -> dict[str, int]:
         """Hits, staged passes, misses and skips by reason (for benches and /metrics)."""
         with self._lock:
-            return self._core.staging.stats()
+            return self._core.speculation_stats()
 
     def timing_stats(self) -> dict[str, float]:
         """Cumulative seconds of host work by stage, and passes sent (for benchmarks)."""

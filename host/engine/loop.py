@@ -26,6 +26,7 @@ from bridge_schema.transport import run as run_loop
 from host.driver_link import DriverLink, open_link
 from host.engine.config import EngineConfig
 from host.engine.core import EngineCore
+from host.engine.speculation import build_core
 from host.errors import DriverFailed, HostError
 from host.pages import copy_groups
 from host.scheduler import Batch
@@ -121,7 +122,7 @@ class EngineLoop:
 
     async def _main(self) -> None:
         async with open_link(self._config.driver_spec()) as link:
-            self._core = EngineCore(self._config, link.handshake)
+            self._core = build_core(self._config, link.handshake)
             self._link = link
             self._loop = asyncio.get_running_loop()
             self._wake = asyncio.Event()

@@ -9,10 +9,11 @@ import concurrent.futures
 import pytest
 
 from bridge_schema.batch import OutputResult, OutputSpec, Sampler
-from bridge_schema.messages import Handshake
+from bridge_schema.messages import DEFERRED_TOKENS, Handshake
 from host.engine import EngineConfig
 from host.engine.core import EngineCore
-from host.errors import EngineClosed, InvalidRequest
+from host.engine.speculation import build_core
+from host.errors import DriverFailed, EngineClosed, InvalidRequest
 from host.scheduler import Batch
 from host.services import PassRequest, PassResult
 
@@ -20,8 +21,9 @@ PAGE = 4
 RUN = 1
 
 
-def handshake() -> Handshake:
+def handshake(capabilities: tuple[str, ...] = ()) -> Handshake:
     return Handshake(
+        capabilities=list(capabilities),
         model_name="test",
         vocab_size=300,
         page_size=PAGE,
@@ -33,8 +35,8 @@ def handshake() -> Handshake:
     )
 
 
-def core(**config: int) -> EngineCore:
-    return EngineCore(EngineConfig("loopback", **config), handshake())  # type: ignore[arg-type]
+def core(capabilities: tuple[str, ...] = (), **config: int) -> EngineCore:
+    return build_core(EngineConfig("loopback", **config), handshake(capabilities))  # type: ignore[arg-type]
 
 
 def decode(token: int) -> PassRequest:
@@ -137,10 +139,49 @@ def test_a_slot_served_from_a_staged_pass_is_named_for_prefix_reuse() -> None:
     assert c.submit(RUN, ctx, decode(60), served) is None  # taken by the staged pass, still out
     answer(c, [70])
     assert served.result(0).outputs[0].token == 70
-    assert c.staging.stats()["speculation_hits"] == 1
+    assert c.speculation_stats()["speculation_hits"] == 1
     again = c.create_context(RUN)  # the same first page: 1, 2, 50, 60
     c.submit(RUN, again, PassRequest(tokens=[1, 2, 50, 60, 70], outputs=[OutputSpec(4, Sampler())]), _future())
     assert c.contexts.prefix.stats()["prefix_tokens_reused"] == PAGE
+
+
+def test_a_request_waiting_on_a_staged_pass_fails_when_the_engine_shuts_down() -> None:
+    """A staged pass's result reaches the request that took it through the core's waiters, like
+    every pass's; so does the error when the loop ends before it returned."""
+    c = core(speculation_depth=1)
+    ctx = c.create_context(RUN)
+    c.submit(RUN, ctx, decode(5), _future())
+    answer(c, [6])  # the step after it (6) is pre-fired now
+    served = _future()
+    assert c.submit(RUN, ctx, decode(6), served) is None  # taken; it has not been sent yet
+    assert c.speculation_stats()["speculation_hits"] == 1
+    c.shut_down()
+    with pytest.raises(EngineClosed):
+        served.result(0)
+
+
+def test_with_deferred_tokens_a_failed_pass_takes_the_step_staged_after_it_along() -> None:
+    """The next step was staged as the pass went out, its token left to the driver: if that pass
+    fails, the step can never be right and must not go out."""
+    c = core(capabilities=(DEFERRED_TOKENS,), speculation_depth=1)
+    ctx = c.create_context(RUN)
+    failed = _future()
+    c.submit(RUN, ctx, decode(5), failed)
+    batch = c.next_batch()
+    assert batch is not None and c.speculation_stats()["speculation_staged"] == 1
+    c.fail(batch, DriverFailed("the pass failed"))
+    with pytest.raises(DriverFailed):
+        failed.result(0)
+    assert c.next_batch() is None
+
+
+def test_with_speculation_off_nothing_is_pre_fired() -> None:
+    c = core(speculation_depth=0)
+    ctx = c.create_context(RUN)
+    c.submit(RUN, ctx, decode(5), _future())
+    answer(c, [6])
+    assert c.next_batch() is None  # no staged step waits
+    assert type(c) is EngineCore and c.speculation_stats()["speculation_hits"] == 0
 
 
 def _future() -> concurrent.futures.Future[PassResult]:

@@ -12,7 +12,8 @@ from bridge_schema.batch import OutputResult, OutputSpec, Sampler
 from host.pages import PageTable
 from host.passes import Pass
 from host.scheduler import Batch, PassLimits, Scheduler
-from host.staging import StagedPass, Staging
+from host.services import PassResult
+from host.staging import StagedPass, Staging, Waiter
 
 CTX, RUN, PAGE = 1, 1, 4
 SAMPLER = Sampler.greedy()
@@ -23,17 +24,27 @@ class Harness:
         self.tickets = itertools.count(1)
         self.pages = PageTable(64, PAGE)
         self.scheduler = Scheduler(PassLimits(max_requests_per_pass=8, max_tokens_per_pass=64), PAGE)
-        self.staging = Staging(depth, self.pages, self.scheduler, lambda: next(self.tickets), deferred_tokens=True)
+        self.waiters: dict[int, Waiter] = {}
+        self.staging = Staging(depth, self.pages, self, deferred_tokens=True)
         self.pages.create(CTX)
         self.pages.extend(CTX, 3)  # a prompt, already in the cache
         self.batches: list[Batch] = []
+
+    # The staging's sink, as the engine core is.
+    def enqueue(self, item: Pass, waiter: Waiter) -> None:
+        item.ticket = next(self.tickets)
+        self.waiters[item.ticket] = waiter
+        self.scheduler.submit(item)
+
+    def cancel(self, tickets: set[int]) -> None:
+        for item in self.scheduler.cancel(lambda p: p.ticket in tickets):
+            del self.waiters[item.ticket]
 
     def cold(self, token: int) -> Pass:
         """The inferlet's own decode request, cold, as the engine would queue it."""
         kv_start = self.pages.length(CTX)
         self.pages.extend(CTX, 1)
         item = Pass(
-            ticket=next(self.tickets),
             run_id=RUN,
             context_id=CTX,
             tokens=np.array([token], np.uint32),
@@ -42,7 +53,9 @@ class Harness:
             kv_start=kv_start,
             outputs=(OutputSpec(0, SAMPLER),),
         )
-        self.scheduler.submit(item)
+        cold = self.staging.watch(_Ignored())
+        cold.item = item
+        self.enqueue(item, cold)
         return item
 
     def dispatch(self) -> list[Pass]:
@@ -58,8 +71,7 @@ class Harness:
     def finish_oldest(self, token: int) -> Pass:
         batch = self.batches.pop(0)
         (item,) = self.scheduler.complete(batch, [[OutputResult(token)]])
-        if not self.staging.on_finished(item):
-            self.staging.on_cold_finished(item)
+        self.waiters.pop(item.ticket).set_result(PassResult(outputs=item.results))
         return item
 
     def request(self, token: int, position: int) -> StagedPass | None:
@@ -71,6 +83,19 @@ class Harness:
         """(position, deferred) of the passes queued and not yet sent."""
         queued = self.scheduler._queue.values()
         return [(int(i.positions[0]), i.deferred) for i in queued if not i.is_sent]
+
+
+class _Ignored:
+    """The inferlet's side of a cold pass: nothing to check there."""
+
+    def set_result(self, result: PassResult) -> None:
+        pass
+
+    def set_exception(self, exception: BaseException) -> None:
+        pass
+
+    def done(self) -> bool:
+        return False
 
 
 def test_the_next_step_is_staged_when_its_pass_is_sent_and_resolved_when_it_returns() -> None:

@@ -1,0 +1,70 @@
+"""Pass-level speculation as a layer around the engine core: `SpeculativeCore` is the core with
+`submit` and `next_batch` wrapped, and nothing inside the core knows of it.
+
+- `submit`: a request that a staged pass serves takes that pass (and its reserved slot) instead
+  of being queued; any other is queued with a `ColdPass` waiter, which stages the context's next
+  step once its result is handed over.
+- `next_batch`: with deferred tokens, the step after each decode in the batch is staged as the
+  batch goes out, to follow it at the driver.
+- staged passes enter the core through `EngineCore.enqueue` with their `StagedPass` as waiter, so
+  their results and errors come back the way every pass's do; a context's fork, truncation,
+  punch or release drops its chain (`Contexts.subscribe`).
+
+The decisions (what may be staged, what a staged pass may serve) are host.speculator's; the
+moving of passes and results is host.staging's.
+"""
+
+from __future__ import annotations
+
+from bridge_schema.messages import DEFERRED_TOKENS, Handshake
+from host.engine.config import EngineConfig
+from host.engine.core import EngineCore
+from host.scheduler import Batch
+from host.services import PassRequest, PassResult
+from host.staging import Staging, Waiter
+
+
+class SpeculativeCore(EngineCore):
+    def __init__(self, config: EngineConfig, handshake: Handshake) -> None:
+        super().__init__(config, handshake)
+        self._deferred_tokens = DEFERRED_TOKENS in handshake.capabilities
+        self.staging = Staging(config.speculation_depth, self.pages, self, deferred_tokens=self._deferred_tokens)
+        self.contexts.subscribe(self.staging.invalidate)
+
+    def submit(self, run_id: int, context_id: int, request: PassRequest, waiter: Waiter) -> PassResult | None:
+        """Queue one pass, or answer it from a staged pass: then the result, if that pass has
+        returned already, else None and `waiter` gets it when it does."""
+        item = self.check_pass(run_id, context_id, request)
+        staged = self.staging.take(context_id, item.shape)
+        if staged is not None:
+            self.contexts.adopt_reserved(context_id, item)
+            if staged.result is None:
+                staged.waiter = waiter
+            self.staging.after_served(staged)  # with deferred tokens, the next step goes now
+            return staged.result
+        if not item.outputs:  # nothing sampled: nothing to stage after it
+            self.queue(item, waiter)
+            return None
+        cold = self.staging.watch(waiter)
+        cold.item = self.queue(item, cold)
+        return None
+
+    def next_batch(self) -> Batch | None:
+        batch = super().next_batch()
+        if batch is not None and self._deferred_tokens:
+            for chunk in batch.chunks:
+                item = chunk.item
+                if chunk.is_last and not item.is_cancelled:
+                    shape = item.shape if item.outputs and self.pages.has(item.context_id) else None
+                    self.staging.on_dispatched(item, shape)
+        return batch
+
+    def speculation_stats(self) -> dict[str, int]:
+        return self.staging.stats()
+
+
+def build_core(config: EngineConfig, handshake: Handshake) -> EngineCore:
+    """The engine core for `config`: with pass-level speculation around it unless its depth is 0."""
+    if config.speculation_depth > 0:
+        return SpeculativeCore(config, handshake)
+    return EngineCore(config, handshake)

@@ -1,9 +1,10 @@
 """Tensor parallelism through the real bridge: `python -m drivers.torch --tensor-parallel N` (N
 processes on gloo) served on a Unix socket gives the tokens and log-probabilities of one
 in-process `TorchDriver` over the whole model (within 1e-4, fp32), for prefill in chunks, decode,
-a user attention mask, sliding windows, sampling, Copy and LoRA; SmolLM2 (9 heads, 3 KV heads)
-at TP 3 likewise; a bad N is refused at start; a rank that dies stops the driver, and the other
-ranks die with rank 0."""
+a user attention mask, sliding windows, sampling, Copy and LoRA (the bridge carries each output
+row's logits as its full log-probability vector, compared whole); SmolLM2 (9 heads, 3 KV heads)
+at TP 3 likewise; a bad request is refused on rank 0 and the group keeps serving; a bad N is
+refused at start; a rank that dies stops the driver, and the other ranks die with rank 0."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 
 from bridge_schema.batch import OutputSpec, Sampler
 from bridge_schema.client import Client
+from bridge_schema.errors import RemoteError
 from bridge_schema.messages import (
     Ack,
     Adapter,
@@ -34,6 +36,7 @@ from bridge_schema.messages import (
     Hello,
     Message,
     Probe,
+    Status,
 )
 from bridge_schema.transport import connect
 from drivers.errors import ConfigRejected
@@ -214,7 +217,8 @@ def test_tp2_equals_tp1_through_the_bridge(tmp_path: Path, family: str) -> None:
         pids = [int(p) for p in str(health["tensor_parallel_pids"]).split(",")]
         assert pids[0] == rank0.pid and len(pids) == 2
         assert_same(ours, ref, atol=1e-4)
-        if family == "llama":  # a rank that dies stops the driver instead of hanging it
+        if family == "llama":
+            anyio.run(_refused_then_served, address)  # a rank that dies stops the driver instead of hanging it
             os.kill(pids[1], signal.SIGKILL)
             assert rank0.wait(timeout=30) != 0
             assert f"tensor-parallel rank 1 (pid {pids[1]}) exited" in log.read_text()
@@ -225,6 +229,18 @@ def test_tp2_equals_tp1_through_the_bridge(tmp_path: Path, family: str) -> None:
             while _alive(pids[1]) and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert not _alive(pids[1])
+
+
+async def _refused_then_served(address: str) -> None:
+    """A request rank 0 refuses reaches no other rank: the group stays in step and serves on."""
+    async with Client.open(await connect(address)) as client:
+        await client.hello(Hello(page_size=PAGE_SIZE, num_pages=48))
+        bad = forward([request([5, 6, 7], 0, _pages(5), PAGE_SIZE, adapter_id=9)])
+        with pytest.raises(RemoteError) as err:
+            await client.request(bad, ForwardResult)
+        assert err.value.status == Status.OUT_OF_RANGE and err.value.field == "adapter_ids"
+        good = await client.request(forward([request([5, 6, 7], 0, _pages(5), PAGE_SIZE)]), ForwardResult)
+        assert len(good.tokens) == 1
 
 
 def _alive(pid: int) -> bool:
@@ -257,7 +273,7 @@ def smollm2_scenario(prompt: list[int], num_new: int) -> Callable[[Run], list[Fo
 def test_smollm2_tp3_equals_tp1(smollm2: Checkpoint, tmp_path: Path) -> None:
     """SmolLM2-135M: 9 heads and 3 KV heads, 3 heads and 1 KV head per rank."""
     assert smollm2.tokenizer is not None
-    scenario = smollm2_scenario(smollm2.tokenizer.encode(SMOLLM2_PROMPT).ids, 12)
+    scenario = smollm2_scenario(smollm2.tokenizer.encode(SMOLLM2_PROMPT).ids, 8)
     ref = in_process(smollm2, scenario)
     with serving("smollm2", 3, tmp_path) as (address, _, _):
         ours, health = over_bridge(address, scenario)

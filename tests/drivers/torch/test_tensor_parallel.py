@@ -252,7 +252,7 @@ def _alive(pid: int) -> bool:
 
 
 SMOLLM2_PROMPT = "<|im_start|>user\nName three colors.<|im_end|>\n<|im_start|>assistant\n"
-SMOLLM2_ATOL = 1e-3  # log-probabilities over 49,152 tokens after 30 layers, summed in another order
+SMOLLM2_ATOL = 2e-4  # log-probabilities over 49,152 tokens after 30 layers summed in another order; 6e-5 measured
 
 
 def smollm2_scenario(prompt: list[int], num_new: int) -> Callable[[Run], list[ForwardResult]]:

@@ -1,8 +1,11 @@
-"""`python -m drivers.torch --model smollm2|PATH --device cpu|cuda --dtype ... --listen ADDR`."""
+"""`python -m drivers.torch --model smollm2|PATH --device cpu|cuda --dtype ... --listen ADDR
+[--tensor-parallel N]`. With N > 1 this process is rank 0 and starts ranks 1..N-1 as
+`python -m drivers.torch ... --tp-rank R` (`tp_driver.py`)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import torch
@@ -10,9 +13,11 @@ import torch
 from drivers.errors import ConfigRejected
 from drivers.serve import add_serve_arguments, configure_logging, serve_forever
 from drivers.torch import cpu_kernels
-from drivers.torch.checkpoint import load_checkpoint
+from drivers.torch.checkpoint import Checkpoint, load_checkpoint
 from drivers.torch.driver import DTYPES, DriverOptions, TorchDriver
 from drivers.torch.quantize import WEIGHT_KINDS
+from drivers.torch.rank_group import join_group, rank_device, start_group
+from drivers.torch.tp_driver import TensorParallelDriver, build_rank_driver, check_options, follow, scatter_shards
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,6 +61,19 @@ def main(argv: list[str] | None = None) -> None:
         help="cap the C++ CPU kernels at this instruction-set level (default: the best the CPU has)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
+    parser.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        help="shard the model over N ranks (processes; gloo on the CPU, NCCL over cuda:0..N-1); "
+        "N must divide the model's KV heads (docs/operating.md)",
+    )
+    parser.add_argument(
+        "--tp-timeout-s", type=float, default=300.0, help="how long a rank waits at start-up or in one collective"
+    )
+    parser.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)  # set by rank 0
+    parser.add_argument("--tp-store", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--tp-parent", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     if args.threads:
@@ -77,8 +95,11 @@ def main(argv: list[str] | None = None) -> None:
         smooth=not args.no_smooth,
         compile=args.compile,
     )
+    if args.tp_rank:
+        _follow(args, options)
+        return
     try:
-        driver = TorchDriver(load_checkpoint(args.model), options)
+        driver = _build(args, options, sys.argv[1:] if argv is None else argv)
     except ConfigRejected as exc:
         print(f"python -m drivers.torch: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -86,7 +107,36 @@ def main(argv: list[str] | None = None) -> None:
     hint = driver.faster_configuration()
     if hint:
         print(f"[wafer torch] {hint}", file=sys.stderr, flush=True)
-    serve_forever(driver, args.listen, args.max_frame_bytes)
+    try:
+        serve_forever(driver, args.listen, args.max_frame_bytes)
+    finally:
+        if isinstance(driver, TensorParallelDriver):
+            driver.close()
+
+
+def _build(args: argparse.Namespace, options: DriverOptions, argv: list[str]) -> TorchDriver | TensorParallelDriver:
+    ckpt = load_checkpoint(args.model)
+    if args.tensor_parallel == 1:
+        return TorchDriver(ckpt, options)
+    check_options(ckpt, options, args.tensor_parallel)  # before any rank starts
+    group = start_group(args.tensor_parallel, args.device, argv, args.tp_timeout_s)
+    driver = scatter_shards(ckpt, dataclasses.replace(options, device=rank_device(args.device, 0)), group)
+    del ckpt
+    group.barrier()  # every rank has built its shard: serve
+    return TensorParallelDriver(driver, group)
+
+
+def _follow(args: argparse.Namespace, options: DriverOptions) -> None:
+    """Ranks 1..N-1 (started by rank 0): receive this rank's shard, build it, follow rank 0."""
+    device = rank_device(args.device, args.tp_rank)
+    group = join_group(args.tp_rank, args.tensor_parallel, device, args.tp_store, args.tp_parent, args.tp_timeout_s)
+    shard = group.receive()
+    assert isinstance(shard, Checkpoint)
+    driver = build_rank_driver(shard, dataclasses.replace(options, device=device), group)
+    del shard
+    group.barrier()
+    follow(driver, group)
+    group.stop()
 
 
 if __name__ == "__main__":

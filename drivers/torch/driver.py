@@ -219,7 +219,41 @@ class TorchDriver:
     @torch.inference_mode()
     def forward(self, request: Forward) -> ForwardResult:
         start = time.perf_counter()
-        plan, logits = self._run(request)
+        plan, lora = self.plan_pass(request)
+        return self.sample_pass(request, plan, self.run_model(plan, lora, plan.out_tokens), start)
+
+    @torch.inference_mode()
+    def logits(self, request: Forward) -> torch.Tensor:
+        """Raw float32 logits [O, V] of the output rows (for tests and benches); writes KV."""
+        return self._run(request)[1]
+
+    def plan_pass(self, request: Forward) -> tuple[PassPlan, LoraBatch | None]:
+        """Check `request` against this driver's state and plan it; raises before any compute."""
+        if self.cache is None or self.limits is None:
+            raise RequestRejected("no handshake yet", "id")
+        bad = [int(a) for a in request.adapter_ids if a >= 0 and int(a) not in self.adapters]
+        if bad:
+            raise RequestRejected(f"adapter {bad[0]} is not loaded", "adapter_ids")
+        plan = build_plan(request, self.limits, self.device)
+        lora = None
+        if np.any(request.adapter_ids >= 0):
+            token_adapter = np.repeat(request.adapter_ids.astype(np.int64), plan.num_q_np)
+            lora = LoraBatch(self.adapters, token_adapter, self.device)
+        return plan, lora
+
+    def run_model(self, plan: PassPlan, lora: LoraBatch | None, rows: torch.Tensor) -> torch.Tensor:
+        """Run the model over a planned pass (writing its KV); float32 logits [len(rows), V]."""
+        assert self.cache is not None
+        if self.compiled is not None and lora is None:
+            attend = PagedAttention(
+                self.cfg, self.cache, plan, self.use_triton, for_compiled=True, kernel=self.attention_kernel
+            )
+            return self.compiled(plan.tokens, plan.positions, attend, rows)
+        attend = PagedAttention(self.cfg, self.cache, plan, self.use_triton, kernel=self.attention_kernel)
+        return self.model(plan.tokens, plan.positions, attend, rows, lora)
+
+    def sample_pass(self, request: Forward, plan: PassPlan, logits: torch.Tensor, start: float) -> ForwardResult:
+        """Sample the output rows' `logits` and count the pass (begun at perf_counter `start`)."""
         out_positions = request.positions.astype(np.int64)[plan.out_tokens.cpu().numpy()]
         s = sample(logits, request, out_positions, self.cfg.vocab_size, self.generator)
         self.stats["forwards"] = int(self.stats["forwards"]) + 1
@@ -236,29 +270,9 @@ class TorchDriver:
             dists=s.dists,
         )
 
-    @torch.inference_mode()
-    def logits(self, request: Forward) -> torch.Tensor:
-        """Raw float32 logits [O, V] of the output rows (for tests and benches); writes KV."""
-        return self._run(request)[1]
-
     def _run(self, request: Forward) -> tuple[PassPlan, torch.Tensor]:
-        if self.cache is None or self.limits is None:
-            raise RequestRejected("no handshake yet", "id")
-        bad = [int(a) for a in request.adapter_ids if a >= 0 and int(a) not in self.adapters]
-        if bad:
-            raise RequestRejected(f"adapter {bad[0]} is not loaded", "adapter_ids")
-        plan = build_plan(request, self.limits, self.device)
-        lora = None
-        if np.any(request.adapter_ids >= 0):
-            token_adapter = np.repeat(request.adapter_ids.astype(np.int64), plan.num_q_np)
-            lora = LoraBatch(self.adapters, token_adapter, self.device)
-        if self.compiled is not None and lora is None:
-            attend = PagedAttention(
-                self.cfg, self.cache, plan, self.use_triton, for_compiled=True, kernel=self.attention_kernel
-            )
-            return plan, self.compiled(plan.tokens, plan.positions, attend, plan.out_tokens)
-        attend = PagedAttention(self.cfg, self.cache, plan, self.use_triton, kernel=self.attention_kernel)
-        return plan, self.model(plan.tokens, plan.positions, attend, plan.out_tokens, lora)
+        plan, lora = self.plan_pass(request)
+        return plan, self.run_model(plan, lora, plan.out_tokens)
 
     @torch.inference_mode()
     def _warm_up(self) -> None:

@@ -19,6 +19,8 @@ from drivers.torch.config import ModelConfig
 # attend(layer, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, H, D]: stores k/v, attends.
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, D]
+# reduce(partial [T, hidden]) -> the sum over tensor-parallel ranks (`tensor_parallel.py`).
+Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 class LoraDelta(Protocol):
@@ -189,11 +191,19 @@ def attention_inputs(
 
 
 def attention_output(
-    cfg: ModelConfig, block: Block, x: torch.Tensor, o: torch.Tensor, lora: LayerLora | None
+    cfg: ModelConfig,
+    block: Block,
+    x: torch.Tensor,
+    o: torch.Tensor,
+    lora: LayerLora | None,
+    reduce: Reduce | None = None,
 ) -> torch.Tensor:
-    """The dense work of a layer after attention: output projection, residuals, norms, MLP."""
+    """The dense work of a layer after attention: output projection, residuals, norms, MLP. With
+    `reduce`, o and down are row-parallel shards whose outputs (LoRA deltas included) are partial."""
     gemma = cfg.arch == "gemma"
     o = _proj(block.self_attn.o_proj, "o_proj", o.reshape(x.shape[0], cfg.num_heads * cfg.head_dim), lora)
+    if reduce is not None:
+        o = reduce(o)
     if gemma:
         x = x + block.post_attention_layernorm(o)
         h = block.pre_feedforward_layernorm(x)
@@ -208,6 +218,8 @@ def attention_output(
         gate, up = _fused(mlp.gate_up, ("gate_proj", "up_proj"), (size, size), h, lora)
     act = F.gelu(gate, approximate="tanh") if gemma else F.silu(gate)
     m = _proj(mlp.down_proj, "down_proj", act * up, lora)
+    if reduce is not None:
+        m = reduce(m)
     return x + (block.post_feedforward_layernorm(m) if gemma else m)
 
 
@@ -236,6 +248,8 @@ class Transformer(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # Set by weight transforms (e.g. int8 quantization) that replace the output projection.
         self.output_head: nn.Module | None = None
+        # Set on a tensor-parallel shard: sums the row-parallel projections' outputs over ranks.
+        self.reduce: Reduce | None = None
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_llama3), persistent=False)
         local = cfg.rope_local_theta or cfg.rope_theta
         self.register_buffer("inv_freq_local", rope_inv_freq(cfg.head_dim, local), persistent=False)
@@ -271,5 +285,5 @@ class Transformer(nn.Module):
             layer_lora = None if lora is None else functools.partial(lora, i)
             cos, sin = rope_local if cfg.window(i) > 0 else rope_full
             q, k, v = attention_inputs(cfg, block, x, cos, sin, layer_lora)
-            x = attention_output(cfg, block, x, attend(i, q, k, v), layer_lora)
+            x = attention_output(cfg, block, x, attend(i, q, k, v), layer_lora, self.reduce)
         return output_logits(cfg, self.model.norm, self.head(), x[rows])

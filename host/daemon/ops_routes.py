@@ -22,11 +22,16 @@ def _health(daemon: Daemon) -> tuple[int, dict[str, Any]]:
     engine = daemon.live_engine()
     statuses, replica_engines = daemon.supervisor.statuses(), daemon.supervisor.replica_engines()
     replicas: list[dict[str, Any]] = [
-        {"index": i, "driver": _driver(s), "engine": _replica(daemon, replica) if replica is not None else {}}
+        {
+            "index": i,
+            "driver": _driver(s),
+            "serving": replica is not None,  # runs are placed on it
+            "engine": _replica(daemon, replica) if replica is not None else {},
+        }
         for i, (s, replica) in enumerate(zip(statuses, replica_engines, strict=True))
     ]
     is_exhausted = engine is not None and engine.num_available_pages == 0
-    is_partial = any(s.state is not DriverState.READY for s in statuses)
+    is_partial = any(not r["serving"] for r in replicas)
     engine_info: dict[str, Any] = {}
     if engine is not None:
         engine_info = {

@@ -75,7 +75,10 @@ class ReplicaSet:
             time.sleep(_POLL_S)
 
     def replica_engines(self) -> list[Engine | None]:
-        """Each replica's engine now (None while it is down)."""
+        """Each replica's engine now: None while it is down, or (of several) while runs are not
+        placed on it (it serves another model than the first, or was lost and not restarted yet)."""
+        if self._replicated is not None:
+            return self._replicated.replicas()
         return [found[0] if (found := _live(s)) is not None else None for s in self.supervisors]
 
     def lost_reason(self, generation: int, run_id: int) -> str:

@@ -18,7 +18,7 @@ import itertools
 import logging
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -76,7 +76,8 @@ class ReplicatedEngine(ReplicaTotals):
         self._num_runs: Counter[tuple[int, int]] = Counter()  # (replica, generation) -> runs placed, not ended
         self._affinity = [AffinityIndex() for _ in self._sources]
         self._seen: list[int | None] = [None] * len(self._sources)  # the generation last looked at
-        self._refused: set[tuple[int, int]] = set()  # (replica, generation) that disagreed with the first
+        # (replica, generation) never chosen again: it serves another model, or its driver was lost
+        self._left_out: set[tuple[int, int]] = set()
         self._first: Engine | None = None  # the first replica seen: the model every replica must serve
 
     @classmethod
@@ -116,7 +117,8 @@ class ReplicatedEngine(ReplicaTotals):
         return len(self._sources)
 
     def replicas(self) -> list[Engine | None]:
-        """Each replica's engine, None while it is down or serves another model than the first."""
+        """Each replica's engine, None while it is down, once it was lost (until it restarts), or
+        when it serves another model than the first."""
         with self._lock:
             live = dict((index, engine) for index, engine, _ in self._live())
         return [live.get(index) for index in range(len(self._sources))]
@@ -133,11 +135,11 @@ class ReplicatedEngine(ReplicaTotals):
             self._owned_context(run_id, context_id)
             return self._runs[run_id].index
 
-    def _live(self, excluded: Collection[int] = ()) -> list[tuple[int, Engine, int]]:
+    def _live(self) -> list[tuple[int, Engine, int]]:
         """(index, engine, generation) of every replica up now that serves the first one's model."""
         live = []
         for index, source in enumerate(self._sources):
-            if index in excluded or (found := source()) is None:
+            if (found := source()) is None:
                 continue
             engine, generation = found
             if self._seen[index] != generation:
@@ -147,8 +149,8 @@ class ReplicatedEngine(ReplicaTotals):
                     self._first = engine
                 elif mismatch := disagreement(self._first.handshake, engine.handshake):
                     log.error("replica %d left out: it %s", index, mismatch)
-                    self._refused.add((index, generation))
-            if (index, generation) not in self._refused:
+                    self._left_out.add((index, generation))
+            if (index, generation) not in self._left_out:
                 live.append((index, engine, generation))
         return live
 
@@ -329,10 +331,9 @@ class ReplicatedEngine(ReplicaTotals):
 
     def _place(self, run_id: int, run: _Run, names: Sequence[bytes] | None) -> None:
         """Choose the run's replica and make its contexts there; a replica that turns out to be
-        down is left out and the next one chosen."""
-        excluded: set[int] = set()
+        down is left out (until it restarts: a new generation) and the next one chosen."""
         while True:
-            live = {index: (engine, generation) for index, engine, generation in self._live(excluded)}
+            live = {index: (engine, generation) for index, engine, generation in self._live()}
             if not live:
                 raise DriverFailed("no model driver replica is up: retry once one has restarted")
             chosen = choose(
@@ -356,7 +357,7 @@ class ReplicatedEngine(ReplicaTotals):
                 log.warning("replica %d is down (%s): placing run %d elsewhere", chosen.index, exc, run_id)
                 engine.end_run(run_id)
                 self._affinity[chosen.index].clear()
-                excluded.add(chosen.index)
+                self._left_out.add((chosen.index, generation))
                 continue
             run.index, run.engine, run.generation = chosen.index, engine, generation
             self._num_runs[(chosen.index, generation)] += 1

@@ -41,7 +41,7 @@ def _wait_all_ready(srv: Server, timeout_s: float = 60.0) -> list[dict[str, Any]
     deadline = time.monotonic() + timeout_s
     while True:
         replicas = _replicas(srv)
-        if all(r["driver"]["state"] == "ready" for r in replicas):
+        if all(r["driver"]["state"] == "ready" and r["serving"] for r in replicas):
             return replicas
         assert time.monotonic() < deadline, replicas
         time.sleep(0.05)

@@ -368,8 +368,8 @@ class ReplicatedEngine(ReplicaTotals):
 
     def _prompt_names(self, request: PassRequest) -> list[bytes]:
         """The names of the full pages of a context's first pass (as host.prefix names them)."""
-        if self._first is None:
-            return []
+        if self._first is None or not self._first.config.prefix_match_unit:
+            return []  # prefix reuse off: no prompt is cached anywhere
         page_size = self._first.model.page_size
         tokens = [int(t) for t in request.tokens]
         num = len(tokens) // page_size * page_size

@@ -26,8 +26,10 @@ from typing import Any
 
 from host.build import build
 from host.engine import Engine, EngineConfig
+from host.sandbox import RunHandle
 from host.sandbox.config import SandboxConfig, default_cache_dir
 from host.sandbox.sandbox import Sandbox
+from host.services import Services
 
 CONFIGS = ((1, 300), (8, 150), (64, 100))  # (concurrent runs, tokens per run)
 LOOPS = {"host": [], "guest": ["--per-token"]}  # where the generation loop runs
@@ -44,20 +46,7 @@ def measure(
 ) -> dict[str, float]:
     outputs_before = int(engine.driver_health()["outputs"])
     timing_before = engine.timing_stats()
-    cpu0, wall0 = time.process_time(), time.perf_counter()
-    handles = [
-        sandbox.start(
-            component,
-            engine,
-            ["--prompt", f"Run {i}: once upon a time", "--max-tokens", str(tokens), "--ignore-eos", *extra],
-        )
-        for i in range(runs)
-    ]
-    outcomes = [h.wait() for h in handles]
-    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-    bad = [o for o in outcomes if not o.is_ok]
-    if bad:
-        raise RuntimeError(f"{len(bad)} runs failed, e.g. {bad[0].status}: {bad[0].error}")
+    handles, cpu, wall = run_all(sandbox, engine, component, runs, tokens, extra)
     generated = int(engine.driver_health()["outputs"]) - outputs_before
     timing = {k: v - timing_before[k] for k, v in engine.timing_stats().items()}
     stats = [h.stats() for h in handles]
@@ -79,6 +68,28 @@ def measure(
         "host_calls_per_token": sum(s["num_host_calls"] for s in stats) / generated,
         "tokens_per_pass": generated / max(timing["passes"], 1),
     }
+
+
+def run_all(
+    sandbox: Sandbox, services: Services, component: Any, runs: int, tokens: int, extra: list[str]
+) -> tuple[list[RunHandle], float, float]:
+    """Start `runs` text_completion runs of `tokens` tokens each, wait for all: (their handles,
+    this process's CPU seconds, wall seconds); RuntimeError if one did not end well."""
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    handles = [
+        sandbox.start(
+            component,
+            services,
+            ["--prompt", f"Run {i}: once upon a time", "--max-tokens", str(tokens), "--ignore-eos", *extra],
+        )
+        for i in range(runs)
+    ]
+    outcomes = [h.wait() for h in handles]
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    bad = [o for o in outcomes if not o.is_ok]
+    if bad:
+        raise RuntimeError(f"{len(bad)} runs failed, e.g. {bad[0].status}: {bad[0].error}")
+    return handles, cpu, wall
 
 
 def start_latency(sandbox: Sandbox, engine: Engine, component: Any, n: int) -> dict[str, float]:

@@ -21,7 +21,7 @@ from host.sandbox import BufferedRunIO, RunOutcome, RunStatus, Sandbox, SandboxC
 from host.sandbox.config import MIB, default_cache_dir
 
 if TYPE_CHECKING:
-    from host.engine import Engine
+    from host.engine import Engine, ReplicatedEngine
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -90,18 +90,26 @@ def _console_io() -> BufferedRunIO:
     return BufferedRunIO(on_chunk=write, on_send=show_sent)
 
 
-def _start_engine(ns: argparse.Namespace) -> Engine:
-    from host.engine import Engine, EngineConfig  # the bridge and anyio, which `wafer build` does not need
+def _start_engine(ns: argparse.Namespace) -> Engine | ReplicatedEngine:
+    """One engine on `--driver`, or replicas when it is given more than once (fresh drivers)."""
+    from host.engine import (
+        Engine,
+        EngineConfig,
+        ReplicatedEngine,
+    )  # the bridge and anyio, which `wafer build` does not need
 
-    return Engine.start(
+    drivers = ns.driver or ["dummy"]
+    configs = [
         EngineConfig(
-            driver=_kept_or_fresh(ns),
+            driver=_kept_or_fresh(ns, drivers[0]) if len(drivers) == 1 else driver,
             driver_args=tuple(ns.driver_arg),
             speculation_depth=ns.speculation_depth,
             max_decode_steps=ns.max_decode_steps,
             adapter_dir=ns.adapter_dir,
         )
-    )
+        for driver in drivers
+    ]
+    return Engine.start(configs[0]) if len(configs) == 1 else ReplicatedEngine.start(configs)
 
 
 def _report(outcome: RunOutcome, source_dir: Path | None) -> int:
@@ -153,7 +161,7 @@ def cmd_dev(ns: argparse.Namespace) -> int:
         print(f"wafer: error: {exc}", file=sys.stderr)
         return EXIT_FAILED
 
-    def once(changed: Callable[[], bool], sandbox: Sandbox, engine: Engine) -> None:
+    def once(changed: Callable[[], bool], sandbox: Sandbox, engine: Engine | ReplicatedEngine) -> None:
         try:
             result = build(str(folder), ns.cache_dir, _quiet, snapshot=ns.snapshot, slow=_progress)
             loaded = sandbox.load(result.wasm_path, _progress)
@@ -185,22 +193,22 @@ def cmd_dev(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _kept_or_fresh(ns: argparse.Namespace) -> str:
-    """The driver to use: a kept one (`wafer driver start NAME`) if there is one, else `--driver`."""
+def _kept_or_fresh(ns: argparse.Namespace, driver: str) -> str:
+    """The driver to use: a kept one (`wafer driver start NAME`) if there is one, else `driver`."""
     from host import kept_drivers
     from host.driver_link import BUILTIN_DRIVERS
 
-    if ns.driver not in BUILTIN_DRIVERS or not ns.kept:
-        return str(ns.driver)
-    kept = kept_drivers.find(ns.cache_dir, ns.driver)
+    if driver not in BUILTIN_DRIVERS or not ns.kept:
+        return str(driver)
+    kept = kept_drivers.find(ns.cache_dir, driver)
     if kept is None:
-        if ns.driver == "torch":
+        if driver == "torch":
             _progress(
                 "starting the torch driver for this run (it loads the model first); "
                 "`wafer driver start torch` keeps one running for later runs"
             )
-        return str(ns.driver)
-    _progress(f"using the kept {ns.driver} driver (pid {kept.pid}; `wafer driver stop {ns.driver}` ends it)")
+        return str(driver)
+    _progress(f"using the kept {driver} driver (pid {kept.pid}; `wafer driver stop {driver}` ends it)")
     if ns.driver_arg and list(ns.driver_arg) != list(kept.args):
         _progress(f"--driver-arg is ignored: the kept driver runs with {list(kept.args)} (--fresh-driver to use yours)")
     return kept.address
@@ -265,8 +273,9 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inferlet", help="inferlet name, folder, or built .wasm component")
     parser.add_argument(
         "--driver",
-        default="dummy",
-        help="dummy or torch (a subprocess), loopback (in-process), unix:PATH or tcp:HOST:PORT (default: dummy)",
+        action="append",
+        help="dummy or torch (a subprocess), loopback (in-process), unix:PATH or tcp:HOST:PORT (default: dummy); "
+        "repeated: one replica per driver (docs/operating.md)",
     )
     parser.add_argument(
         "--driver-arg",

@@ -22,7 +22,14 @@ _FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--host", "host", {"help": "listen address (default 127.0.0.1)"}),
     ("--port", "port", {"type": int, "help": "listen port (default 8000; 0 picks a free one)"}),
     ("--api-key", "api_keys", {"action": "append", "help": "accepted API key (repeatable)"}),
-    ("--driver", "driver", {"help": "dummy or torch (started and supervised), unix:PATH or tcp:HOST:PORT"}),
+    (
+        "--driver",
+        "drivers",
+        {
+            "action": "append",
+            "help": "dummy or torch (started and supervised), unix:PATH or tcp:HOST:PORT; repeat for replicas",
+        },
+    ),
     ("--driver-arg", "driver_args", {"action": "append", "help": "one option for the driver process (repeatable)"}),
     ("--model", "model", {"help": "the torch driver's model: smollm2 (default), a .gguf file or a HF directory"}),
     ("--served-model-name", "served_model_name", {"help": "model id in the API (default: the driver's)"}),

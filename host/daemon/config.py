@@ -32,6 +32,8 @@ class DaemonConfig:
     port: int = 8000
     api_keys: tuple[str, ...] = ()
     driver: str = "dummy"  # dummy | torch (started and supervised) | unix:PATH | tcp:HOST:PORT
+    # Replicas: one driver each, as `driver` (given, it replaces `driver`; empty: `driver` alone).
+    drivers: tuple[str, ...] = ()
     driver_args: tuple[str, ...] = ()
     model: str = ""  # torch driver: passed as --model (default: the embedded SmolLM2)
     served_model_name: str = ""  # the id in /v1/models; default: the driver's model name
@@ -67,14 +69,22 @@ class DaemonConfig:
     log_format: str = "json"
 
     @property
+    def replica_drivers(self) -> tuple[str, ...]:
+        """Each replica's driver: `drivers`, or the one `driver`."""
+        return self.drivers or (self.driver,)
+
+    @property
     def is_supervised(self) -> bool:
-        """True when the daemon starts the driver process itself (and so can restart it)."""
-        return self.driver in BUILTIN_DRIVERS
+        """True when the daemon starts the (first) driver process itself (and so can restart it)."""
+        return self.replica_drivers[0] in BUILTIN_DRIVERS
 
     @property
     def driver_argv(self) -> tuple[str, ...]:
-        """Options for the driver process: `model` becomes `--model` for the torch driver."""
-        if self.driver == "torch" and self.model:
+        return self.driver_argv_of(self.replica_drivers[0])
+
+    def driver_argv_of(self, driver: str) -> tuple[str, ...]:
+        """Options for a driver process: `model` becomes `--model` for the torch driver."""
+        if driver == "torch" and self.model:
             return ("--model", self.model, *self.driver_args)
         return self.driver_args
 
@@ -111,18 +121,25 @@ def load_config(
     raw: dict[str, Any] = {}
     path = config_path if config_path is not None else env.get(f"{ENV_PREFIX}CONFIG")
     if path:
-        raw.update(_read_file(Path(path)))
-    for key in KEYS:
-        value = env.get(ENV_PREFIX + key.upper())
-        if value is not None:
-            raw[key] = _from_env(key, value)
-    for key, value in (flags or {}).items():
-        if value is None:
-            continue
+        _merge(raw, _read_file(Path(path)), str(path))
+    from_env = {key: _from_env(key, env[ENV_PREFIX + key.upper()]) for key in KEYS if ENV_PREFIX + key.upper() in env}
+    _merge(raw, from_env, "the environment")
+    for key in flags or {}:
         if key not in KEYS:
             raise DaemonConfigError(key, "unknown configuration key")
-        raw[key] = value
+    _merge(raw, {key: value for key, value in (flags or {}).items() if value is not None}, "the flags")
     return _build(raw)
+
+
+def _merge(raw: dict[str, Any], source: Mapping[str, Any], where: str) -> None:
+    """A later source's values over the earlier ones'; `driver` and `drivers` say the same thing,
+    so one replaces the other, and one source may not give both."""
+    if "driver" in source and "drivers" in source:
+        raise DaemonConfigError("drivers", f"give driver or drivers, not both (in {where})")
+    for key in ("driver", "drivers"):
+        if key in source:
+            raw.pop("drivers" if key == "driver" else "driver", None)
+    raw.update(source)
 
 
 def _read_file(path: Path) -> dict[str, Any]:
@@ -143,7 +160,7 @@ def _from_env(key: str, value: str) -> Any:
     """Environment values are strings, parsed here into the key's type: lists are
     comma-separated (driver_args: shell words)."""
     default = getattr(DaemonConfig(), key)
-    if key == "api_keys":
+    if key in ("api_keys", "drivers"):
         return [k.strip() for k in value.split(",") if k.strip()]
     if key == "driver_args":
         try:
@@ -214,6 +231,19 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
     return value
 
 
+def _check_drivers(c: DaemonConfig) -> None:
+    builtin = " or ".join(BUILTIN_DRIVERS)
+    for i, driver in enumerate(c.replica_drivers):
+        key, shown = ("drivers", f"drivers[{i}]") if c.drivers else ("driver", "driver")
+        if driver not in BUILTIN_DRIVERS and not driver.startswith(("unix:", "tcp:")):
+            raise DaemonConfigError(key, f"{shown}: use {builtin}, unix:PATH or tcp:HOST:PORT; got {driver!r}")
+        if driver not in BUILTIN_DRIVERS and c.replica_drivers.count(driver) > 1:
+            raise DaemonConfigError(key, f"{shown}: {driver!r} is listed twice (one replica per driver)")
+    if c.model and "torch" not in c.replica_drivers:
+        shown = ", ".join(c.replica_drivers)
+        raise DaemonConfigError("model", f"only the torch driver loads a model (drivers: {shown})")
+
+
 def _check(c: DaemonConfig) -> None:
     if not 0 <= c.port <= 65535:
         raise DaemonConfigError("port", f"must be between 0 and 65535, got {c.port}")
@@ -221,11 +251,7 @@ def _check(c: DaemonConfig) -> None:
         raise DaemonConfigError("host", "must not be empty")
     if any(not k or k != k.strip() for k in c.api_keys):
         raise DaemonConfigError("api_keys", "keys must be non-empty and have no surrounding whitespace")
-    if c.driver not in BUILTIN_DRIVERS and not c.driver.startswith(("unix:", "tcp:")):
-        drivers = " or ".join(BUILTIN_DRIVERS)
-        raise DaemonConfigError("driver", f"use {drivers}, unix:PATH or tcp:HOST:PORT; got {c.driver!r}")
-    if c.model and c.driver != "torch":
-        raise DaemonConfigError("model", f"only the torch driver loads a model (driver is {c.driver!r})")
+    _check_drivers(c)
     minimums: dict[str, float] = {
         "speculation_depth": 0,
         "max_decode_steps": 1,

@@ -14,8 +14,9 @@ from host.daemon.config import DaemonConfig
 from host.daemon.errors import DaemonError
 from host.daemon.inferlet_store import InferletStore
 from host.daemon.metrics import Counter, Histogram, LabelValues, Registry, SampledFamily
+from host.daemon.replica_set import AnyEngine, ReplicaSet
 from host.daemon.runs import RunRegistry
-from host.daemon.supervisor import DriverState, Supervisor
+from host.daemon.supervisor import DriverState
 from host.engine import Engine
 from host.errors import HostError
 from host.sandbox import LoadedInferlet, Sandbox
@@ -46,7 +47,7 @@ class Daemon:
         self.tokens = Counter("wafer_tokens_total", "Tokens served by the OpenAI endpoints", ("endpoint", "kind"))
         self.requests = Counter("wafer_openai_requests_total", "OpenAI requests by outcome", ("endpoint", "outcome"))
         self.sandbox: Sandbox | None = None
-        self.supervisor = Supervisor(config)
+        self.supervisor = ReplicaSet(config)  # one supervisor per driver replica
         self._registry: RunRegistry | None = None
         self._store: InferletStore | None = None
         self._chat: LoadedInferlet | None = None
@@ -97,7 +98,7 @@ class Daemon:
         assert self._chat is not None, "the daemon is not started"
         return self._chat
 
-    def engine(self, wait_s: float = ENGINE_WAIT_S) -> Engine:
+    def engine(self, wait_s: float = ENGINE_WAIT_S) -> AnyEngine:
         """The live engine (blocking: waits for a starting or restarting driver)."""
         engine, _ = self.supervisor.engine(wait_s)
         with self._lock:
@@ -124,7 +125,7 @@ class Daemon:
         m.add(self.first_token)
         m.add(self.tokens)
         m.add(self.requests)
-        m.add(SampledFamily("wafer_driver_up", "1 when the driver is ready", "gauge", (), self._driver_up))
+        m.add(SampledFamily("wafer_driver_up", "1 when a driver (any replica) is ready", "gauge", (), self._driver_up))
         m.add(SampledFamily("wafer_driver_restarts_total", "Driver restarts", "counter", (), self._restarts))
         m.add(SampledFamily("wafer_runs", "Runs now running", "gauge", ("kind",), self._running))
         m.add(SampledFamily("wafer_runs_ended_total", "Runs ended, by final state", "counter", ("state",), self._ended))
@@ -174,13 +175,51 @@ class Daemon:
             )
         )
         m.add(SampledFamily("wafer_prefix_cache", "Prefix reuse counters", "gauge", ("name",), self._prefix))
+        replica = ("replica",)
+        m.add(SampledFamily("wafer_replica_up", "1 when the replica's driver is ready", "gauge", replica, self._up))
+        m.add(
+            SampledFamily(
+                "wafer_replica_restarts_total", "Restarts of the replica's driver", "counter", replica, self._rs
+            )
+        )
+        m.add(
+            SampledFamily(
+                "wafer_replica_stat",
+                "Each replica's engine and driver counters: available_pages, num_pages, the driver's own",
+                "gauge",
+                ("replica", "name"),
+                self._replica_stats,
+            )
+        )
 
-    def live_engine(self) -> Engine | None:
+    def live_engine(self) -> AnyEngine | None:
         try:
             engine, _ = self.supervisor.engine(0.0)
         except DaemonError:
             return None
         return engine
+
+    def _up(self) -> Mapping[LabelValues, float]:
+        return {(str(i),): float(s.state is DriverState.READY) for i, s in enumerate(self.supervisor.statuses())}
+
+    def _rs(self) -> Mapping[LabelValues, float]:
+        return {(str(i),): float(s.num_restarts) for i, s in enumerate(self.supervisor.statuses())}
+
+    def replica_stats(self, engine: Engine) -> dict[str, float]:
+        """One replica's page pool and its driver's counters (empty if the driver does not answer)."""
+        try:
+            health = engine.driver_health()
+        except HostError:
+            return {}
+        stats = {k: float(v) for k, v in health.items() if isinstance(v, int | float)}
+        return stats | {"available_pages": float(engine.num_available_pages), "num_pages": float(engine.num_pages)}
+
+    def _replica_stats(self) -> Mapping[LabelValues, float]:
+        out: dict[LabelValues, float] = {}
+        for i, engine in enumerate(self.supervisor.replica_engines()):
+            for name, value in (self.replica_stats(engine) if engine is not None else {}).items():
+                out[(str(i), name)] = value
+        return out
 
     def _driver_up(self) -> Mapping[LabelValues, float]:
         return {(): 1.0 if self.supervisor.status().state is DriverState.READY else 0.0}

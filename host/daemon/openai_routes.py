@@ -32,9 +32,9 @@ from host.daemon.http_util import (
 from host.daemon.openai_models import ChatCompletionRequest, CompletionRequest
 from host.daemon.openai_prepare import GrammarSource, Job, check_model, prepare_chat, prepare_completion
 from host.daemon.openai_render import Renderer, Update
+from host.daemon.replica_set import AnyEngine
 from host.daemon.run_log import RunEvent
 from host.daemon.runs import RunRecord
-from host.engine import Engine
 from host.services import ModelInfo, Tokenizer
 
 log = logging.getLogger("wafer.daemon.openai")
@@ -95,7 +95,7 @@ async def _serve(
     daemon = daemon_of(request)
     started = time.monotonic()
 
-    def prepared(engine: Engine) -> tuple[list[str], Prepared]:
+    def prepared(engine: AnyEngine) -> tuple[list[str], Prepared]:
         """In the worker thread that starts the run: rendering, tokenizing, compiling."""
         served = daemon.served_model()
         check_model(req.model, served)
@@ -128,7 +128,7 @@ async def _serve(
 
 
 async def _start(
-    daemon: Daemon, prepared: Callable[[Engine], tuple[list[str], Prepared]], owner: str
+    daemon: Daemon, prepared: Callable[[AnyEngine], tuple[list[str], Prepared]], owner: str
 ) -> tuple[RunRecord, Prepared, list[RunEvent]]:
     """Prepare and start the chat run, and read it up to its first generated tokens (or its end).
     A run whose driver died before it generated anything is prepared and started once more, on

@@ -10,7 +10,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from host.daemon.daemon import Daemon
 from host.daemon.http_util import daemon_of
-from host.daemon.supervisor import DriverState
+from host.daemon.supervisor import DriverState, DriverStatus
+from host.engine import Engine
 
 router = APIRouter(tags=["operations"])
 
@@ -18,11 +19,21 @@ router = APIRouter(tags=["operations"])
 def _health(daemon: Daemon) -> tuple[int, dict[str, Any]]:
     status = daemon.supervisor.status()
     is_ready = status.state is DriverState.READY
-    engine_info: dict[str, Any] = {}
     engine = daemon.live_engine()
-    is_exhausted = False
+    statuses, replica_engines = daemon.supervisor.statuses(), daemon.supervisor.replica_engines()
+    replicas: list[dict[str, Any]] = [
+        {
+            "index": i,
+            "driver": _driver(s),
+            "serving": replica is not None,  # runs are placed on it
+            "engine": _replica(daemon, replica) if replica is not None else {},
+        }
+        for i, (s, replica) in enumerate(zip(statuses, replica_engines, strict=True))
+    ]
+    is_exhausted = engine is not None and engine.num_available_pages == 0
+    is_partial = any(not r["serving"] for r in replicas)
+    engine_info: dict[str, Any] = {}
     if engine is not None:
-        is_exhausted = engine.num_available_pages == 0
         engine_info = {
             "model": engine.model.name,
             "driver_info": dict(engine.handshake.driver_info),
@@ -35,19 +46,35 @@ def _health(daemon: Daemon) -> tuple[int, dict[str, Any]]:
             "driver_stats": daemon.driver_stats(),
         }
     body = {
-        # degraded: serving, but every KV page is held (new runs get 503 until some end)
-        "status": ("degraded" if is_exhausted else "ok") if is_ready else "unavailable",
-        "driver": {
-            "state": status.state.value,
-            "pid": status.pid,
-            "restarts": status.num_restarts,
-            "last_error": status.last_error or None,
-            "generation": status.generation,
-        },
+        # degraded: serving, but every KV page is held (new runs get 503 until some end), or a
+        # replica is down (its runs failed; the others serve)
+        "status": ("degraded" if is_exhausted or is_partial else "ok") if is_ready else "unavailable",
+        "driver": _driver(status),
         "runs": daemon.runs.counts(),
         "engine": engine_info,
+        "replicas": replicas,
     }
     return (200 if is_ready else 503), body
+
+
+def _driver(status: DriverStatus) -> dict[str, Any]:
+    return {
+        "state": status.state.value,
+        "pid": status.pid,
+        "restarts": status.num_restarts,
+        "last_error": status.last_error or None,
+        "generation": status.generation,
+    }
+
+
+def _replica(daemon: Daemon, engine: Engine) -> dict[str, Any]:
+    return {
+        "free_pages": engine.num_free_pages,
+        "available_pages": engine.num_available_pages,
+        "num_pages": engine.num_pages,
+        "driver_info": dict(engine.handshake.driver_info),
+        "driver_stats": daemon.replica_stats(engine),
+    }
 
 
 @router.get("/health", summary="Driver state, runs and engine counters (503 while the driver is down)")

@@ -21,9 +21,8 @@ import anyio.to_thread
 from host.daemon.config import DaemonConfig
 from host.daemon.errors import DriverUnavailable, NotFound, PagesExhausted, TooManyRuns
 from host.daemon.logs import request_id_var
+from host.daemon.replica_set import AnyEngine, ReplicaSet
 from host.daemon.run_log import RunLog
-from host.daemon.supervisor import Supervisor
-from host.engine import Engine
 from host.sandbox import LoadedInferlet, RunHandle, RunOutcome, RunStatus, Sandbox
 
 log = logging.getLogger("wafer.daemon.runs")
@@ -104,7 +103,7 @@ class RunRecord:
 
 
 class RunRegistry:
-    def __init__(self, config: DaemonConfig, sandbox: Sandbox, supervisor: Supervisor) -> None:
+    def __init__(self, config: DaemonConfig, sandbox: Sandbox, supervisor: ReplicaSet) -> None:
         self._config = config
         self._sandbox = sandbox
         self._supervisor = supervisor
@@ -124,7 +123,7 @@ class RunRegistry:
         inferlet: str,
         kind: str,
         engine_wait_s: float,
-        prepare: Callable[[Engine], tuple[Sequence[str], T]],
+        prepare: Callable[[AnyEngine], tuple[Sequence[str], T]],
         owner: str = "",
     ) -> tuple[RunRecord, T]:
         """Start a run, all in one worker thread: wait up to `engine_wait_s` for a (re)starting
@@ -186,7 +185,7 @@ class RunRegistry:
     def _await_end(self, record: RunRecord) -> None:
         outcome = record.handle.wait()
         if not outcome.is_ok and outcome.status is not RunStatus.CANCELLED and not record.is_cancel_requested:
-            record.driver_lost = self._supervisor.lost_reason(record.generation)
+            record.driver_lost = self._supervisor.lost_reason(record.generation, record.run_id)
         record.outcome = outcome
         with self._lock:
             self._num_running -= 1

@@ -20,6 +20,7 @@ from typing import IO
 
 from host.daemon.config import DaemonConfig
 from host.daemon.errors import DriverUnavailable
+from host.driver_link import BUILTIN_DRIVERS
 from host.driver_process import driver_argv, output_tail, socket_path, stop_process
 from host.engine import Engine, EngineConfig, GrammarBudget
 from host.errors import HostError
@@ -48,8 +49,19 @@ class DriverStatus:
 
 
 class Supervisor:
-    def __init__(self, config: DaemonConfig, on_lost: Callable[[int, str], None] | None = None) -> None:
+    """One driver (`driver`, the configuration's first by default) and its engine; `index` is
+    its replica's, for the logs."""
+
+    def __init__(
+        self,
+        config: DaemonConfig,
+        on_lost: Callable[[int, str], None] | None = None,
+        driver: str = "",
+        index: int = 0,
+    ) -> None:
         self._config = config
+        self._driver = driver or config.replica_drivers[0]
+        self._name = f"replica {index} driver" if len(config.replica_drivers) > 1 else "driver"
         self._on_lost = on_lost
         self._cond = threading.Condition()
         self._stopping = threading.Event()
@@ -61,7 +73,7 @@ class Supervisor:
         self._last_error = ""
         self._generation = 0
         self._output: threading.Thread | None = None  # forwards the driver process's output
-        self._thread = threading.Thread(target=self._main, name="wafer-supervisor", daemon=True)
+        self._thread = threading.Thread(target=self._main, name=f"wafer-supervisor-{index}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -126,7 +138,7 @@ class Supervisor:
                 break
             if time.monotonic() - started_at > _STABLE_AFTER_S:
                 backoff_s = self._config.restart_backoff_initial_s
-            log.warning("driver lost (%s); restarting in %.2f s", reason, backoff_s)
+            log.warning("%s lost (%s); restarting in %.2f s", self._name, reason, backoff_s)
             with self._cond:
                 self._state = DriverState.RESTARTING
                 self._last_error = reason
@@ -143,8 +155,8 @@ class Supervisor:
         proc: subprocess.Popen[bytes] | None = None
         engine: Engine | None = None
         try:
-            address = self._config.driver
-            if self._config.is_supervised:
+            address = self._driver
+            if address in BUILTIN_DRIVERS:
                 address = f"unix:{os.path.join(workdir, 'driver.sock')}"
                 proc = self._spawn(address, workdir)
                 with self._cond:
@@ -174,7 +186,7 @@ class Supervisor:
                 self._state = DriverState.READY
                 self._last_error = ""
                 self._cond.notify_all()
-            log.info("driver ready: %s (model %s)", address, engine.model.name)
+            log.info("%s ready: %s (model %s)", self._name, address, engine.model.name)
             reason = self._watch(proc, engine)
             self._lose(generation, reason)
             return reason
@@ -199,7 +211,7 @@ class Supervisor:
             self._on_lost(generation, reason)
 
     def _spawn(self, address: str, workdir: str) -> subprocess.Popen[bytes]:
-        argv = driver_argv(f"drivers.{self._config.driver}", address, self._config.driver_argv)
+        argv = driver_argv(f"drivers.{self._driver}", address, self._config.driver_argv_of(self._driver))
         # Its own session: a Ctrl-C meant for the daemon must not kill the driver before the
         # daemon has drained its runs.
         proc = subprocess.Popen(

@@ -75,6 +75,17 @@ def test_run_reports_the_inferlets_error(
     assert "--prompt" in err
 
 
+def test_run_on_replicas_and_a_bad_driver_among_them(
+    built: dict[str, Path], cache_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = ["--cache-dir", str(cache_dir), "run", "text_completion"]
+    tail = ["--", "--prompt", "Hi", "--max-tokens", "4"]
+    assert main([*run, "--driver", "dummy", "--driver", "loopback", *tail]) == EXIT_OK
+    assert capsys.readouterr().out.endswith("\n")
+    assert main([*run, "--driver", "dummy", "--driver", "nonsense", *tail]) == EXIT_FAILED
+    assert "unknown driver 'nonsense'" in capsys.readouterr().err
+
+
 ECHO = Path(__file__).resolve().parents[1] / "host" / "daemon" / "inferlets" / "echo"
 
 

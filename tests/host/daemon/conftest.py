@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,6 +97,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         },
         environ={},
     )
+    with serving(config, echo_wasm) as srv:
+        yield srv
+
+
+@contextmanager
+def serving(config: DaemonConfig, echo_wasm: Path) -> Iterator[Server]:
+    """The daemon for `config`, in this process, served by uvicorn in a thread."""
     daemon = Daemon(config)
     app = create_app(config, daemon)
     # Keep-alive past any pause between tests: uvicorn closes an idle connection after 5 s by
@@ -115,8 +123,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         time.sleep(0.05)
     srv = Server(config.url, config, echo_wasm, daemon)
     srv.wait_ready()
-    yield srv
-    for client in srv.clients.values():
-        client.close()
-    uv.should_exit = True
-    thread.join(timeout=30)
+    try:
+        yield srv
+    finally:
+        for client in srv.clients.values():
+            client.close()
+        uv.should_exit = True
+        thread.join(timeout=30)

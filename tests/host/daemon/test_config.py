@@ -40,12 +40,37 @@ def test_torch_model_becomes_a_driver_option() -> None:
     assert config.driver_argv == ("--model", "/m.gguf", "--threads", "2")
 
 
+def test_drivers_list_replicas_and_replace_driver(tmp_path: Path) -> None:
+    assert load_config({}, environ={}).replica_drivers == ("dummy",)
+    config = load_config({"drivers": ["torch", "tcp:10.0.0.2:7000"], "model": "/m.gguf"}, environ={})
+    assert config.replica_drivers == ("torch", "tcp:10.0.0.2:7000")
+    assert config.driver_argv_of("torch") == ("--model", "/m.gguf") and config.driver_argv_of("tcp:10.0.0.2:7000") == ()
+    assert load_config({}, environ={"WAFER_DRIVERS": "dummy, dummy"}).replica_drivers == ("dummy", "dummy")
+    path = tmp_path / "wafer.toml"
+    path.write_text('drivers = ["dummy", "dummy"]\n')
+    assert load_config({"driver": "torch"}, environ={}, config_path=path).replica_drivers == ("torch",)  # flag wins
+    path.write_text('driver = "torch"\n')
+    assert load_config({"drivers": ["dummy", "dummy"]}, environ={}, config_path=path).replica_drivers == (
+        "dummy",
+        "dummy",
+    )
+    path.write_text('driver = "torch"\ndrivers = ["dummy"]\n')
+    with pytest.raises(DaemonConfigError, match="driver or drivers, not both") as info:
+        load_config({}, environ={}, config_path=path)
+    assert info.value.key == "drivers"
+
+
 @pytest.mark.parametrize(
     ("flags", "env", "key"),
     [
         ({"port": 70000}, {}, "port"),
         ({}, {"WAFER_PORT": "eighty"}, "port"),
         ({"driver": "gpu"}, {}, "driver"),
+        ({"drivers": ["dummy", "gpu"]}, {}, "drivers"),
+        ({"drivers": ["tcp:h:1", "tcp:h:1"]}, {}, "drivers"),  # one replica per address
+        ({"drivers": [1]}, {}, "drivers"),
+        ({}, {"WAFER_DRIVERS": "dummy,unix"}, "drivers"),
+        ({"drivers": ["dummy"], "model": "x"}, {}, "model"),
         ({"model": "x"}, {}, "model"),  # the dummy driver loads no model
         ({"speculation_depth": -1}, {}, "speculation_depth"),
         ({"max_decode_steps": 0}, {}, "max_decode_steps"),

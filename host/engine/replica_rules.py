@@ -1,0 +1,100 @@
+"""What replicas must agree on, and how their answers become one (host.engine.replicas): the
+model check, their counters and page pools summed, their errors told in the ids the run knows.
+Knows nothing of placement or of how replicas are started."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from bridge_schema.messages import Handshake
+from host.errors import HostError
+
+if TYPE_CHECKING:
+    from host.engine.facade import Engine
+
+_MUST_EQUAL = ("model_name", "vocab_size", "page_size", "tokenizer_kind", "tokenizer_data", "chat_template")
+_CONTEXT_ID = re.compile(r"\bcontext (\d+)\b")
+
+
+def disagreement(first: Handshake, other: Handshake) -> str:
+    """What makes `other` unfit to serve beside `first` (another model, vocabulary, page size,
+    tokenizer or stop tokens), or "" when nothing does."""
+    for name in _MUST_EQUAL:
+        mine, theirs = getattr(first, name), getattr(other, name)
+        if mine != theirs:
+            short = len(str(theirs)) + len(str(mine)) < 200
+            shown = f"{name} {theirs!r} where the first replica serves {mine!r}" if short else f"another {name}"
+            return f"serves {shown}: every replica must serve the same model"
+    for name in ("stop_token_ids", "control_token_ids"):
+        if list(getattr(first, name)) != list(getattr(other, name)):
+            return f"has other {name} than the first replica: every replica must serve the same model"
+    return ""
+
+
+def summed(dicts: Iterable[dict[str, int]]) -> dict[str, int]:
+    """Counters of every replica added up, key by key."""
+    out: dict[str, int] = {}
+    for d in dicts:
+        for key, value in d.items():
+            out[key] = out.get(key, 0) + value
+    return out
+
+
+class ReplicaTotals:
+    """The engine's statistics and page pool as the daemon reads them: sums over the replicas
+    up now (`_engines`, which the replicated engine gives)."""
+
+    def _engines(self) -> list[Engine]:
+        raise NotImplementedError
+
+    def speculation_stats(self) -> dict[str, int]:
+        return summed(engine.speculation_stats() for engine in self._engines())
+
+    def prefix_stats(self) -> dict[str, int]:
+        return summed(engine.prefix_stats() for engine in self._engines())
+
+    def timing_stats(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for engine in self._engines():
+            for key, value in engine.timing_stats().items():
+                out[key] = out.get(key, 0.0) + value
+        return out
+
+    def driver_health(self) -> dict[str, int | float | str]:
+        """The drivers' numeric counters summed (`DriverFailed` if a replica up does not answer)."""
+        out: dict[str, int | float | str] = {}
+        for engine in self._engines():
+            for key, value in engine.driver_health().items():
+                if isinstance(value, int | float):
+                    previous = out.get(key, 0)
+                    out[key] = (previous if isinstance(previous, int | float) else 0) + value
+        return out
+
+    @property
+    def num_pages(self) -> int:
+        return sum(engine.num_pages for engine in self._engines())
+
+    @property
+    def num_free_pages(self) -> int:
+        return sum(engine.num_free_pages for engine in self._engines())
+
+    @property
+    def num_available_pages(self) -> int:
+        return sum(engine.num_available_pages for engine in self._engines())
+
+
+@contextmanager
+def renamed_context(local_id: int, context_id: int) -> Iterator[None]:
+    """A replica's error names the context by the replica's id: name it by the one the run knows."""
+    try:
+        yield
+    except HostError as exc:
+        if local_id and exc.args and isinstance(exc.args[0], str):
+            text = _CONTEXT_ID.sub(lambda m: f"context {context_id}" if m[1] == str(local_id) else m[0], exc.args[0])
+            exc.args = (text,)
+            if getattr(exc, "context_id", None) == local_id:
+                exc.context_id = context_id  # type: ignore[attr-defined]
+        raise

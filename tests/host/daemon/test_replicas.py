@@ -1,0 +1,119 @@
+"""The daemon on two supervised dummy driver replicas: both serve, /health and /metrics report
+each, and killing one fails only the requests on it, restarts it, and the rest keep serving."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from host.engine import ReplicatedEngine
+from tests.host.daemon.conftest import Server, _free_port, serving
+
+MESSAGES: Any = [{"role": "user", "content": "Tell a long story."}]
+
+
+@pytest.fixture(scope="module")
+def pair(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    config = dataclasses.replace(
+        server.config,
+        drivers=("dummy", "dummy"),
+        port=_free_port(),
+        data_dir=tmp_path_factory.mktemp("replicas-data"),
+    )
+    with serving(config, server.echo_wasm) as srv:
+        yield srv
+
+
+def _replicas(srv: Server) -> list[dict[str, Any]]:
+    with srv.http() as http:
+        replicas: list[dict[str, Any]] = http.get("/health").json()["replicas"]
+    return replicas
+
+
+def _wait_all_ready(srv: Server, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        replicas = _replicas(srv)
+        if all(r["driver"]["state"] == "ready" and r["serving"] for r in replicas):
+            return replicas
+        assert time.monotonic() < deadline, replicas
+        time.sleep(0.05)
+
+
+def test_health_and_metrics_report_each_replica(pair: Server) -> None:
+    replicas = _wait_all_ready(pair)
+    assert [r["index"] for r in replicas] == [0, 1]
+    assert replicas[0]["driver"]["pid"] != replicas[1]["driver"]["pid"]
+    assert all(r["engine"]["num_pages"] > 0 and "forwards" in r["engine"]["driver_stats"] for r in replicas)
+    with pair.http() as http:
+        health = http.get("/health").json()
+        text = http.get("/metrics").text
+    assert health["status"] == "ok"
+    assert health["engine"]["num_pages"] == sum(r["engine"]["num_pages"] for r in replicas)
+    assert 'wafer_replica_up{replica="0"} 1' in text and 'wafer_replica_up{replica="1"} 1' in text
+    assert 'wafer_replica_stat{replica="1",name="available_pages"}' in text
+
+
+def test_killing_one_replica_fails_only_its_requests_and_it_restarts(pair: Server) -> None:
+    assert pair.daemon is not None
+    before = _wait_all_ready(pair)
+    engine = pair.daemon.engine()
+    assert isinstance(engine, ReplicatedEngine)
+    client = pair.client()
+    streams = [
+        client.chat.completions.create(
+            model="dummy", messages=MESSAGES, max_tokens=300, stream=True, extra_body={"ignore_eos": True}
+        )
+        for _ in range(4)
+    ]
+    outcomes: list[str] = [""] * len(streams)
+    started = [threading.Event() for _ in streams]
+
+    def consume(i: int) -> None:
+        try:
+            for n, _chunk in enumerate(streams[i]):
+                if n == 3:  # generating (a run that has generated nothing would be started again)
+                    started[i].set()
+            outcomes[i] = "ok"
+        except Exception as exc:  # the stream of a killed replica ends with an error
+            outcomes[i] = f"error: {exc}"
+        finally:
+            started[i].set()
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(streams))]
+    for t in threads:
+        t.start()
+    for event in started:
+        assert event.wait(60)
+    running = [r for r in pair.daemon.runs.list("chat") if r.outcome is None]
+    placed = {r.run_id: engine.placement(r.run_id) for r in running}
+    assert len(placed) == 4 and {p[0] for p in placed.values() if p is not None} == {0, 1}
+    os.kill(before[1]["driver"]["pid"], signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    by_replica = {run_id: p[0] for run_id, p in placed.items() if p is not None}
+    assert outcomes.count("ok") == list(by_replica.values()).count(0), outcomes
+    assert all("driver" in o for o in outcomes if o != "ok"), outcomes
+    for record in pair.daemon.runs.list("chat"):
+        if record.run_id in by_replica:
+            record.done.wait(30)
+            assert (record.state.value == "succeeded") == (by_replica[record.run_id] == 0), record.describe()
+            if by_replica[record.run_id] == 1:
+                assert record.driver_lost.startswith("replica 1:"), record.driver_lost
+    # The replica comes back under a new process; requests go on succeeding meanwhile.
+    response = client.chat.completions.create(model="dummy", messages=MESSAGES, max_tokens=5)
+    assert response.choices[0].finish_reason in ("stop", "length")
+    after = _wait_all_ready(pair)
+    assert after[1]["driver"]["restarts"] == before[1]["driver"]["restarts"] + 1
+    assert after[1]["driver"]["pid"] != before[1]["driver"]["pid"]
+    assert after[0]["driver"]["pid"] == before[0]["driver"]["pid"] and after[0]["driver"]["restarts"] == 0
+    for _ in range(4):  # both replicas serve again
+        response = client.chat.completions.create(model="dummy", messages=MESSAGES, max_tokens=5)
+        assert response.choices

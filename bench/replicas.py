@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from host_overhead import run_all  # bench/, this script's folder
+import tensor_parallel  # bench/, this script's folder
+from host_overhead import run_all
 
 from host.build import build
 from host.engine import EngineConfig, ReplicatedEngine
@@ -64,17 +65,16 @@ def measure(sandbox: Sandbox, engine: ReplicatedEngine, component: Any, runs: in
     }
 
 
-def tp_rows() -> list[dict[str, Any]]:
-    """Tensor-parallel rows for the same table: bench/tensor_parallel.py's `tp_rows()`, wired in
-    here when it exists (none yet)."""
-    return []
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench/results/replicas.json")
     parser.add_argument("--cache-dir", type=Path, default=default_cache_dir())
     parser.add_argument("--replicas", default="1,2,4", help="replica counts, comma-separated")
+    parser.add_argument(
+        "--tensor-parallel",
+        default="1,3",
+        help="also SmolLM2 on the torch driver at these rank counts (gloo, CPU: the overhead); '' skips",
+    )
     parser.add_argument("--runs", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=200, help="tokens each run generates")
     parser.add_argument("--pass-latency-ms", type=float, default=5.0)
@@ -102,7 +102,8 @@ def main() -> None:
                     row: dict[str, Any] = {"batch": batch, "replicas": n, "runs": args.runs}
                     row.update(measure(sandbox, engine, component, args.runs, args.tokens))
                     rows.append(row)
-    rows += tp_rows()  # tensor parallelism: bench/tensor_parallel.py, when it exists
+    ranks = tuple(int(r) for r in args.tensor_parallel.split(",") if r)
+    tp = tensor_parallel.tp_rows(ranks) if ranks else []
     print(
         f"CPU: {cpu_name()} ({os.cpu_count()} cores, shared by the host and every driver); dummy pass latency "
         f"{args.pass_latency_ms:g} ms; max decode steps {args.max_decode_steps}"
@@ -128,6 +129,9 @@ def main() -> None:
             targets[f"batch {r['batch']}: {r['replicas']} replicas at least {factor}x one"] = r["speedup"] >= factor
     for target, met in targets.items():
         print(f"target: {target}: {'met' if met else 'NOT met'}")
+    if tp:
+        print()
+        tensor_parallel.print_table(tp, 128)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     machine = {"cpu": cpu_name(), "cores": os.cpu_count()}
@@ -138,6 +142,7 @@ def main() -> None:
                 "args": vars(args) | {"cache_dir": str(args.cache_dir)},
                 "rows": rows,
                 "targets": targets,
+                "tensor_parallel": tp,
             },
             indent=1,
         )

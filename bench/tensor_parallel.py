@@ -140,27 +140,11 @@ def tp_rows(
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", default="1,3", help="rank counts, comma-separated; the first is the baseline")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", default="bench/results/tensor_parallel.json")
-    args = parser.parse_args()
-    cpu = cpu_model()
-    print(f"CPU: {cpu} ({os.cpu_count()} cores); model SmolLM2-135M-Instruct, float32, over the bridge", flush=True)
-    print(f"{NOTE}", flush=True)
-    load_start = os.getloadavg()[0]
-    ranks = tuple(int(r) for r in args.ranks.split(","))
-    rows = tp_rows(ranks, args.threads, args.prompt_tokens, args.new_tokens, args.repeats)
-    load_end = os.getloadavg()[0]
-    print()
-    print(f"load average {load_start:.2f} at the start, {load_end:.2f} at the end")
+def print_table(rows: list[dict[str, Any]], prompt_tokens: int) -> None:
+    """The rows of `tp_rows` as a markdown table, under the note that says what they measure."""
     print(f"{NOTE}:")
     print(
-        f"| TP | threads/rank | prefill tok/s ({args.prompt_tokens}) | vs TP 1 | decode tok/s (B=1) "
+        f"| TP | threads/rank | prefill tok/s ({prompt_tokens}) | vs TP 1 | decode tok/s (B=1) "
         "| vs TP 1 | same greedy tokens | start-up s |"
     )
     print("|---|---|---|---|---|---|---|---|")
@@ -171,8 +155,29 @@ def main() -> None:
             f"| {r['prefill_vs_tp1']:.2f}x | {r['decode_tok_s']:.1f} | {r['decode_vs_tp1']:.2f}x | {same} "
             f"| {r['startup_s']:.1f} |"
         )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="1,3", help="rank counts, comma-separated; the first is the baseline")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="bench/results/tensor_parallel.json")
+    args = parser.parse_args()
+    cpu = cpu_model()
+    print(f"CPU: {cpu} ({os.cpu_count()} cores); model SmolLM2-135M-Instruct, float32, over the bridge", flush=True)
+    print(f"{NOTE}", flush=True)
+    load_start = os.getloadavg()[0]
+    ranks = tuple(int(r) for r in args.ranks.split(","))
+    rows = tp_rows(ranks, args.threads, args.prompt_tokens, args.new_tokens, args.repeats)
+    load_end = os.getloadavg()[0]
+    print()
+    print(f"load average {load_start:.2f} at the start, {load_end:.2f} at the end")
+    print_table(rows, args.prompt_tokens)
     meta = {"cpu": cpu, "cores": os.cpu_count(), "load_start": load_start, "load_end": load_end, "note": NOTE}
-    out = Path(args.json)
+    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "args": vars(args), "rows": rows}, indent=2))
     print(f"wrote {out}")

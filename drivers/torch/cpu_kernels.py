@@ -18,8 +18,10 @@ torch paths, which give the same results (to float32 rounding, for attention).""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -74,6 +76,35 @@ def source_digest() -> str:
     return hashlib.sha256(data).hexdigest()[:12]
 
 
+def build_directory(name: str) -> Path:
+    """Where the build named `name` is cached: torch's extension root (TORCH_EXTENSIONS_DIR, or
+    its default), one folder per Python and torch version."""
+    from torch.utils import cpp_extension
+
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    directory = Path(cpp_extension.get_default_build_root()) / f"{name}-{python}-torch{torch.__version__}"
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+@contextlib.contextmanager
+def _one_builder(directory: Path) -> Iterator[None]:
+    """One build at a time across processes, under an flock: the OS releases it when its holder
+    dies, where torch's own lock file (`lock` in the build folder) stays behind a build killed
+    halfway and blocks every later start forever. Found while the flock is held, that file is such
+    a leftover, and goes."""
+    with open(directory.with_name(directory.name + ".lock"), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            stale = directory / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a kernel build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
 def _build(show_progress: bool) -> bool:
     from torch.utils import cpp_extension
 
@@ -81,19 +112,21 @@ def _build(show_progress: bool) -> bool:
         log.warning("C++ CPU kernels not built (ninja is not installed): the torch paths run instead")
         return False
     # The name carries the sources' hash: an edited kernel never loads a stale build.
-    digest = source_digest()
+    name = f"wafer_cpu_{source_digest()}"
     progress = Progress("building the C++ CPU kernels (cached for the next start)", 1, show_progress)
     progress.update(0)
     try:
-        sources = [str(s) for s in SOURCES]
-        cpp_extension.load(
-            f"wafer_cpu_{digest}",
-            sources,
-            extra_cflags=FLAGS,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        directory = build_directory(name)
+        with _one_builder(directory):
+            cpp_extension.load(
+                name,
+                [str(s) for s in SOURCES],
+                extra_cflags=FLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
+            )
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler, a failed build or load
         lines = str(exc).splitlines() or [type(exc).__name__]
         reason = next((line for line in lines if "error" in line), lines[0])

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import logging
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -261,6 +263,22 @@ def test_a_failed_build_says_why(monkeypatch: pytest.MonkeyPatch, caplog: pytest
     with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
         assert not cpu_kernels.load(show_progress=False)
     assert "error: no avx512" in caplog.text
+
+
+def test_a_build_killed_halfway_does_not_block_the_next_start(kernel: None) -> None:
+    """torch's loader waits for as long as its lock file exists; a driver killed while it built
+    the kernels left one behind, and every later start hung. The next start goes on now."""
+    directory = cpu_kernels.build_directory(f"wafer_cpu_{cpu_kernels.source_digest()}")
+    (directory / "lock").touch()  # what a killed build leaves
+    probe = "from drivers.torch import cpu_kernels; print(cpu_kernels.load(show_progress=False))"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[3]
+        )
+    finally:
+        (directory / "lock").unlink(missing_ok=True)
+    assert done.stdout.strip() == "True", done.stderr
+    assert "left by a kernel build that did not finish" in done.stderr
 
 
 # ---------------------------------------------------------------------------- decode attention

@@ -39,6 +39,11 @@ _FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         "max_decode_steps",
         {"type": int, "help": "decode steps per pass of host-side generation (default 16; 1 off)"},
     ),
+    (
+        "--prefix-match-unit",
+        "prefix_match_unit",
+        {"type": int, "help": "prefix reuse in whole pages of this size: the driver's page size (default 0: off)"},
+    ),
     ("--max-concurrent-runs", "max_concurrent_runs", {"type": int, "help": "runs at once (default 64)"}),
     ("--run-memory-mib", "run_memory_mib", {"type": int, "help": "memory cap per run (default 256)"}),
     ("--run-timeout-s", "run_timeout_s", {"type": float, "help": "wall-clock budget per run (default 600)"}),

@@ -39,6 +39,9 @@ class DaemonConfig:
     served_model_name: str = ""  # the id in /v1/models; default: the driver's model name
     speculation_depth: int = 1
     max_decode_steps: int = 16  # multi-step requests while passes are short; 1 = off
+    # Prefix reuse: a prompt's whole pages already in the KV cache are not computed again (the
+    # driver's page size, 16 for ours; 0 = off). With replicas, a run goes where its prefix is.
+    prefix_match_unit: int = 0
     max_concurrent_runs: int = 64
     run_memory_mib: int = 256
     run_timeout_s: float = 600.0
@@ -255,6 +258,7 @@ def _check(c: DaemonConfig) -> None:
     minimums: dict[str, float] = {
         "speculation_depth": 0,
         "max_decode_steps": 1,
+        "prefix_match_unit": 0,
         "max_concurrent_runs": 1,
         "run_memory_mib": 16,  # componentize-py's interpreter alone needs about 12 MiB
         "run_max_output_mib": 1,

@@ -72,6 +72,7 @@ def _replica(daemon: Daemon, engine: Engine) -> dict[str, Any]:
         "free_pages": engine.num_free_pages,
         "available_pages": engine.num_available_pages,
         "num_pages": engine.num_pages,
+        "prefix": engine.prefix_stats(),
         "driver_info": dict(engine.handshake.driver_info),
         "driver_stats": daemon.replica_stats(engine),
     }

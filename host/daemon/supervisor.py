@@ -167,6 +167,7 @@ class Supervisor:
                     driver=address,
                     speculation_depth=self._config.speculation_depth,
                     max_decode_steps=self._config.max_decode_steps,
+                    prefix_match_unit=self._config.prefix_match_unit,
                     adapter_dir=self._config.adapter_dir,
                     max_loaded_adapters=self._config.max_loaded_adapters,
                     max_run_page_fraction=self._config.run_max_pages_fraction,

@@ -73,6 +73,7 @@ def test_drivers_list_replicas_and_replace_driver(tmp_path: Path) -> None:
         ({"drivers": ["dummy"], "model": "x"}, {}, "model"),
         ({"model": "x"}, {}, "model"),  # the dummy driver loads no model
         ({"speculation_depth": -1}, {}, "speculation_depth"),
+        ({"prefix_match_unit": -16}, {}, "prefix_match_unit"),
         ({"max_decode_steps": 0}, {}, "max_decode_steps"),
         ({}, {"WAFER_MAX_DECODE_STEPS": "65"}, "max_decode_steps"),
         ({"max_concurrent_runs": 0}, {}, "max_concurrent_runs"),

@@ -117,3 +117,53 @@ def test_killing_one_replica_fails_only_its_requests_and_it_restarts(pair: Serve
     for _ in range(4):  # both replicas serve again
         response = client.chat.completions.create(model="dummy", messages=MESSAGES, max_tokens=5)
         assert response.choices
+
+
+@pytest.fixture(scope="module")
+def affine_pair(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    config = dataclasses.replace(
+        server.config,
+        drivers=("dummy", "dummy"),
+        prefix_match_unit=16,  # the dummy's page size
+        port=_free_port(),
+        data_dir=tmp_path_factory.mktemp("affine-data"),
+    )
+    with serving(config, server.echo_wasm) as srv:
+        yield srv
+
+
+def test_with_prefix_reuse_a_prompt_goes_where_its_prefix_is_cached(affine_pair: Server) -> None:
+    """A long prompt, cached on one replica, is sent again while that replica is the busier one:
+    it goes there all the same (by load alone it would go to the other, and compute it again)."""
+    daemon = affine_pair.daemon
+    assert daemon is not None
+    engine = daemon.engine()
+    assert isinstance(engine, ReplicatedEngine)
+    _wait_all_ready(affine_pair)
+    client = affine_pair.client()
+    system = "You answer in one short line. " * 8  # some 15 pages
+    prompt: Any = [{"role": "system", "content": system}, {"role": "user", "content": "Hello."}]
+    assert client.chat.completions.create(model="dummy", messages=prompt, max_tokens=4).choices
+    cached = [r["engine"]["prefix"]["prefix_cached_pages"] for r in _replicas(affine_pair)]
+    home = cached.index(max(cached))
+    assert cached[home] >= 10 and cached[1 - home] == 0, cached
+
+    streams, load = [], [0, 0]
+    while load[home] <= load[1 - home]:  # long runs elsewhere until the prompt's home is the busier
+        stream = client.chat.completions.create(
+            model="dummy", messages=MESSAGES, max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+        )
+        next(iter(stream))  # generating: placed
+        streams.append(stream)
+        live = [r.run_id for r in daemon.runs.list("chat") if r.outcome is None]
+        load = [0, 0]
+        for run_id in live:
+            placed = engine.placement(run_id)
+            if placed is not None:
+                load[placed[0]] += 1
+    before = [r["engine"]["prefix"]["prefix_tokens_reused"] for r in _replicas(affine_pair)]
+    assert client.chat.completions.create(model="dummy", messages=prompt, max_tokens=4).choices
+    after = [r["engine"]["prefix"]["prefix_tokens_reused"] for r in _replicas(affine_pair)]
+    assert after[home] - before[home] >= 10 * 16 and after[1 - home] == before[1 - home], (before, after, load)
+    for stream in streams:
+        stream.close()

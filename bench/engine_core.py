@@ -19,13 +19,14 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from machine import cpu_name  # bench/, this script's folder
 
 from bridge_schema.batch import OutputResult, OutputSpec, Sampler
 from bridge_schema.messages import DEFERRED_TOKENS, Handshake
@@ -106,7 +107,7 @@ def main() -> None:
             print(f"depth {depth}, {n} contexts ...", file=sys.stderr, flush=True)
             drive(depth, n, 10)  # warm-up
             rows.append(drive(depth, n, args.steps))
-    print(f"engine core verbs, one thread, CPU time ({platform.processor() or platform.machine()})")
+    print(f"engine core verbs, one thread, CPU time ({cpu_name()})")
     print(f"{'depth':>5} {'contexts':>8} {'tokens':>7} {'passes':>7} {'us/token':>9} {'tokens/cpu-s':>13}")
     for r in rows:
         print(

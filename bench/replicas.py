@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 from pathlib import Path
 from typing import Any
 
 import tensor_parallel  # bench/, this script's folder
 from host_overhead import run_all
+from machine import cpu_name
 
 from host.build import build
 from host.engine import EngineConfig, ReplicatedEngine
@@ -35,16 +35,6 @@ TARGETS = {2: 1.8, 4: 3.2}  # replicas -> aggregate tokens/s at least this many 
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def cpu_name() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                return value.strip()
-    return platform.processor() or platform.machine()
 
 
 def measure(sandbox: Sandbox, engine: ReplicatedEngine, component: Any, runs: int, tokens: int) -> dict[str, float]:

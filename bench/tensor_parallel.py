@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,8 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from machine import cpu_name  # bench/, this script's folder
+
 from bridge_schema.batch import OutputSpec, RequestSpec, build_forward
 from bridge_schema.client import Client
 from bridge_schema.messages import ForwardResult, Hello
@@ -40,16 +41,6 @@ from bridge_schema.transport import connect
 PAGE_SIZE = 16
 STARTUP_TIMEOUT_S = 600.0  # the first start on a machine builds the C++ CPU kernels (a minute or two)
 NOTE = "TP overhead on the CPU with gloo (ranks share the cores; not a speed-up)"
-
-
-def cpu_model() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                return value.strip()
-    return platform.processor() or platform.machine()
 
 
 def _request(context: int, tokens: list[int], start: int, pages_per: int) -> RequestSpec:
@@ -166,7 +157,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="bench/results/tensor_parallel.json")
     args = parser.parse_args()
-    cpu = cpu_model()
+    cpu = cpu_name()
     print(f"CPU: {cpu} ({os.cpu_count()} cores); model SmolLM2-135M-Instruct, float32, over the bridge", flush=True)
     print(f"{NOTE}", flush=True)
     load_start = os.getloadavg()[0]

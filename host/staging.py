@@ -104,18 +104,18 @@ class Staging:
         if entry is not None:
             self._submit(run_id, entry)
 
-    def on_dispatched(self, item: Pass, shape: RequestShape | None) -> None:
+    def on_dispatched(self, item: Pass) -> None:
         """`item`'s last chunk is in a pass being sent. With deferred tokens, stage the step
-        after it now: after a cold request (`shape`, None when it is not a decode candidate),
-        or after a staged pass."""
+        after it now: after a staged pass, or after a cold request that samples (its shape is
+        taken only then: it copies the pass's tokens)."""
         if not self._deferred_tokens:
             return
         staged = self._by_ticket.get(item.ticket)
         if staged is not None:
             staged.is_dispatched = True
             self._grow(staged)
-        elif shape is not None:
-            entry = self.speculator.stage_after(item.context_id, shape, None)
+        elif item.outputs and self._pages.has(item.context_id):
+            entry = self.speculator.stage_after(item.context_id, item.shape, None)
             if entry is not None:
                 follower = self._submit(item.run_id, entry)
                 if follower is not None:

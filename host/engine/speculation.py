@@ -53,10 +53,8 @@ class SpeculativeCore(EngineCore):
         batch = super().next_batch()
         if batch is not None and self._deferred_tokens:
             for chunk in batch.chunks:
-                item = chunk.item
-                if chunk.is_last and not item.is_cancelled:
-                    shape = item.shape if item.outputs and self.pages.has(item.context_id) else None
-                    self.staging.on_dispatched(item, shape)
+                if chunk.is_last and not chunk.item.is_cancelled:
+                    self.staging.on_dispatched(chunk.item)
         return batch
 
     def speculation_stats(self) -> dict[str, int]:

@@ -64,7 +64,7 @@ class Harness:
         assert batch is not None
         for chunk in batch.chunks:
             item = chunk.item
-            self.staging.on_dispatched(item, item.shape)
+            self.staging.on_dispatched(item)
         self.batches.append(batch)
         return [c.item for c in batch.chunks]
 

@@ -27,7 +27,18 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 # Fields that name a row of a benchmark's table (its configuration), not a measurement.
-ID_KEYS = ("loop", "case", "runs", "contexts", "depth", "speculation_depth", "batch", "latency_ms", "replicas")
+ID_KEYS = (
+    "loop",
+    "case",
+    "runs",
+    "contexts",
+    "depth",
+    "speculation_depth",
+    "batch",
+    "latency_ms",
+    "replicas",
+    "rounds",
+)
 
 
 def log(message: str) -> None:

@@ -92,22 +92,24 @@ def _console_io() -> BufferedRunIO:
 
 def _start_engine(ns: argparse.Namespace) -> Engine | ReplicatedEngine:
     """One engine on `--driver`, or replicas when it is given more than once (fresh drivers)."""
+    from host.driver_link import BUILTIN_DRIVERS
+    from host.driver_process import split_driver
     from host.engine import (
         Engine,
         EngineConfig,
         ReplicatedEngine,
     )  # the bridge and anyio, which `wafer build` does not need
 
-    drivers = ns.driver or ["dummy"]
+    entries = [split_driver(entry, BUILTIN_DRIVERS) for entry in ns.driver or ["dummy"]]
     configs = [
         EngineConfig(
-            driver=_kept_or_fresh(ns, drivers[0]) if len(drivers) == 1 else driver,
-            driver_args=tuple(ns.driver_arg),
+            driver=_kept_or_fresh(ns, driver) if len(entries) == 1 and not own else driver,
+            driver_args=(*ns.driver_arg, *own),
             speculation_depth=ns.speculation_depth,
             max_decode_steps=ns.max_decode_steps,
             adapter_dir=ns.adapter_dir,
         )
-        for driver in drivers
+        for driver, own in entries
     ]
     return Engine.start(configs[0]) if len(configs) == 1 else ReplicatedEngine.start(configs)
 
@@ -275,7 +277,8 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
         "--driver",
         action="append",
         help="dummy or torch (a subprocess), loopback (in-process), unix:PATH or tcp:HOST:PORT (default: dummy); "
-        "repeated: one replica per driver (docs/operating.md)",
+        "repeated: one replica per driver; a subprocess may carry its own arguments: "
+        "'torch --device cuda:1' (docs/operating.md)",
     )
     parser.add_argument(
         "--driver-arg",

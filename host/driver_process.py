@@ -8,9 +8,33 @@ socket in its own way (async, on a thread, or for a process it does not own), so
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from collections.abc import Sequence
+
+
+class DriverEntryError(ValueError):
+    """A driver entry that cannot be read (see `split_driver`)."""
+
+
+def split_driver(entry: str, builtin: Sequence[str]) -> tuple[str, tuple[str, ...]]:
+    """A driver entry as (driver, its own arguments): `torch --device cuda:1` is the built-in
+    torch driver with `--device cuda:1` after the common driver arguments; an address
+    (`unix:PATH`, `tcp:HOST:PORT`) is a driver started elsewhere, and takes no arguments."""
+    try:
+        words = shlex.split(entry)
+    except ValueError as exc:
+        raise DriverEntryError(f"cannot split {entry!r} into a driver and its arguments: {exc}") from None
+    if not words:
+        raise DriverEntryError("an empty driver entry")
+    driver, args = words[0], tuple(words[1:])
+    if args and driver not in builtin:
+        raise DriverEntryError(
+            f"{entry!r}: only a built-in driver ({', '.join(builtin)}) takes arguments; a driver at an "
+            "address is started where it runs, with its own"
+        )
+    return driver, args
 
 
 def driver_argv(module_name: str, address: str, args: Sequence[str]) -> list[str]:

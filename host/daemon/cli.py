@@ -27,7 +27,8 @@ _FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         "drivers",
         {
             "action": "append",
-            "help": "dummy or torch (started and supervised), unix:PATH or tcp:HOST:PORT; repeat for replicas",
+            "help": "dummy or torch (started and supervised; its own arguments may follow: "
+            "'torch --device cuda:1'), unix:PATH or tcp:HOST:PORT; repeat for replicas",
         },
     ),
     ("--driver-arg", "driver_args", {"action": "append", "help": "one option for the driver process (repeatable)"}),

@@ -19,6 +19,7 @@ from typing import Any
 from bridge_schema.messages import MAX_DECODE_STEPS
 from host.daemon.errors import DaemonConfigError
 from host.driver_link import BUILTIN_DRIVERS
+from host.driver_process import DriverEntryError, split_driver
 from host.sandbox.config import MIB, SandboxConfig, default_cache_dir
 
 LOG_FORMATS = ("json", "text")
@@ -32,7 +33,8 @@ class DaemonConfig:
     port: int = 8000
     api_keys: tuple[str, ...] = ()
     driver: str = "dummy"  # dummy | torch (started and supervised) | unix:PATH | tcp:HOST:PORT
-    # Replicas: one driver each, as `driver` (given, it replaces `driver`; empty: `driver` alone).
+    # Replicas: one driver each, as `driver` (given, it replaces `driver`; empty: `driver` alone);
+    # a built-in one may carry its own arguments after its name ("torch --device cuda:1").
     drivers: tuple[str, ...] = ()
     driver_args: tuple[str, ...] = ()
     model: str = ""  # torch driver: passed as --model (default: the embedded SmolLM2)
@@ -79,17 +81,23 @@ class DaemonConfig:
     @property
     def is_supervised(self) -> bool:
         """True when the daemon starts the (first) driver process itself (and so can restart it)."""
-        return self.replica_drivers[0] in BUILTIN_DRIVERS
+        return self.driver_of(self.replica_drivers[0]) in BUILTIN_DRIVERS
 
     @property
     def driver_argv(self) -> tuple[str, ...]:
         return self.driver_argv_of(self.replica_drivers[0])
 
-    def driver_argv_of(self, driver: str) -> tuple[str, ...]:
-        """Options for a driver process: `model` becomes `--model` for the torch driver."""
-        if driver == "torch" and self.model:
-            return ("--model", self.model, *self.driver_args)
-        return self.driver_args
+    @staticmethod
+    def driver_of(entry: str) -> str:
+        """The driver an entry of `replica_drivers` names: a built-in name or an address."""
+        return split_driver(entry, BUILTIN_DRIVERS)[0]
+
+    def driver_argv_of(self, entry: str) -> tuple[str, ...]:
+        """Options for an entry's driver process: `model` becomes `--model` for the torch driver,
+        then `driver_args`, then the entry's own arguments (which win where they repeat one)."""
+        driver, own = split_driver(entry, BUILTIN_DRIVERS)
+        model = ("--model", self.model) if driver == "torch" and self.model else ()
+        return (*model, *self.driver_args, *own)
 
     def sandbox_config(self) -> SandboxConfig:
         """The per-run limits of the sandbox, from this configuration."""
@@ -236,13 +244,22 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
 
 def _check_drivers(c: DaemonConfig) -> None:
     builtin = " or ".join(BUILTIN_DRIVERS)
-    for i, driver in enumerate(c.replica_drivers):
+    names = []
+    for i, entry in enumerate(c.replica_drivers):
         key, shown = ("drivers", f"drivers[{i}]") if c.drivers else ("driver", "driver")
+        try:
+            driver = c.driver_of(entry)
+        except DriverEntryError as exc:
+            raise DaemonConfigError(key, f"{shown}: {exc}") from None
         if driver not in BUILTIN_DRIVERS and not driver.startswith(("unix:", "tcp:")):
-            raise DaemonConfigError(key, f"{shown}: use {builtin}, unix:PATH or tcp:HOST:PORT; got {driver!r}")
-        if driver not in BUILTIN_DRIVERS and c.replica_drivers.count(driver) > 1:
+            raise DaemonConfigError(
+                key,
+                f"{shown}: use {builtin} (its own arguments may follow), unix:PATH or tcp:HOST:PORT; got {entry!r}",
+            )
+        if driver not in BUILTIN_DRIVERS and driver in names:
             raise DaemonConfigError(key, f"{shown}: {driver!r} is listed twice (one replica per driver)")
-    if c.model and "torch" not in c.replica_drivers:
+        names.append(driver)
+    if c.model and "torch" not in names:
         shown = ", ".join(c.replica_drivers)
         raise DaemonConfigError("model", f"only the torch driver loads a model (drivers: {shown})")
 

@@ -60,7 +60,7 @@ class Supervisor:
         index: int = 0,
     ) -> None:
         self._config = config
-        self._driver = driver or config.replica_drivers[0]
+        self._driver = driver or config.replica_drivers[0]  # an entry: a driver and its own arguments
         self._name = f"replica {index} driver" if len(config.replica_drivers) > 1 else "driver"
         self._on_lost = on_lost
         self._cond = threading.Condition()
@@ -155,7 +155,7 @@ class Supervisor:
         proc: subprocess.Popen[bytes] | None = None
         engine: Engine | None = None
         try:
-            address = self._driver
+            address = self._config.driver_of(self._driver)
             if address in BUILTIN_DRIVERS:
                 address = f"unix:{os.path.join(workdir, 'driver.sock')}"
                 proc = self._spawn(address, workdir)
@@ -212,7 +212,8 @@ class Supervisor:
             self._on_lost(generation, reason)
 
     def _spawn(self, address: str, workdir: str) -> subprocess.Popen[bytes]:
-        argv = driver_argv(f"drivers.{self._driver}", address, self._config.driver_argv_of(self._driver))
+        module = f"drivers.{self._config.driver_of(self._driver)}"
+        argv = driver_argv(module, address, self._config.driver_argv_of(self._driver))
         # Its own session: a Ctrl-C meant for the daemon must not kill the driver before the
         # daemon has drained its runs.
         proc = subprocess.Popen(

@@ -13,7 +13,7 @@ import pytest
 from host.build import BuildError, build, ensure_base, external_imports, inferlet_files
 from host.testing import InferletRunner
 
-APP = '''\
+APP = """\
 from inferlet import emit
 from helpers import shout
 from pkg.words import GREETING
@@ -26,7 +26,7 @@ def main(args):
 def fail():
     from pkg import broken
     return broken.value
-'''
+"""
 FILES = {
     "app.py": APP,
     "helpers.py": "import textwrap\n\ndef shout(text):\n    return textwrap.dedent(text).upper()\n",

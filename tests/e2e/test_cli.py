@@ -84,6 +84,13 @@ def test_run_on_replicas_and_a_bad_driver_among_them(
     assert capsys.readouterr().out.endswith("\n")
     assert main([*run, "--driver", "dummy", "--driver", "nonsense", *tail]) == EXIT_FAILED
     assert "unknown driver 'nonsense'" in capsys.readouterr().err
+    # A built-in replica's own arguments reach its process (and only its process).
+    assert main([*run, "--driver", "dummy --num-pages 64", "--driver", "dummy", *tail]) == EXIT_OK
+    capsys.readouterr()
+    assert main([*run, "--driver", "dummy", "--driver", "dummy --no-such-option", *tail]) == EXIT_FAILED
+    assert "--no-such-option" in capsys.readouterr().err
+    assert main([*run, "--driver", "tcp:127.0.0.1:9 --device cuda", *tail]) == EXIT_FAILED
+    assert "only a built-in driver" in capsys.readouterr().err
 
 
 ECHO = Path(__file__).resolve().parents[1] / "host" / "daemon" / "inferlets" / "echo"

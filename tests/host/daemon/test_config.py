@@ -40,6 +40,29 @@ def test_torch_model_becomes_a_driver_option() -> None:
     assert config.driver_argv == ("--model", "/m.gguf", "--threads", "2")
 
 
+def test_a_builtin_replica_carries_its_own_arguments(tmp_path: Path) -> None:
+    path = tmp_path / "wafer.toml"
+    path.write_text('drivers = ["torch --device cuda:0", "torch --device \'cuda:1\'", "tcp:10.0.0.2:7000"]\n')
+    config = load_config({"model": "/m.gguf", "driver_args": ["--dtype", "bfloat16"]}, environ={}, config_path=path)
+    first, second, remote = config.replica_drivers
+    assert [config.driver_of(e) for e in config.replica_drivers] == ["torch", "torch", "tcp:10.0.0.2:7000"]
+    assert config.driver_argv_of(first) == ("--model", "/m.gguf", "--dtype", "bfloat16", "--device", "cuda:0")
+    assert config.driver_argv_of(second)[-2:] == ("--device", "cuda:1")
+    assert config.driver_argv_of(remote) == ("--dtype", "bfloat16")
+    assert config.is_supervised
+    env = {"WAFER_DRIVERS": "dummy --num-pages 64, dummy --num-pages 128"}
+    assert load_config({}, environ=env).replica_drivers == ("dummy --num-pages 64", "dummy --num-pages 128")
+    for entries, said in (
+        (["dummy", "tcp:10.0.0.2:7000 --device cuda"], "only a built-in driver"),
+        (["torch --device 'cuda:0"], "cannot split"),
+        (["tcp:10.0.0.2:7000", "tcp:10.0.0.2:7000"], "listed twice"),
+        (["vllm"], "use dummy or torch"),
+    ):
+        with pytest.raises(DaemonConfigError, match=said) as info:
+            load_config({"drivers": entries}, environ={})
+        assert info.value.key == "drivers" and f"drivers[{len(entries) - 1}]" in str(info.value)
+
+
 def test_drivers_list_replicas_and_replace_driver(tmp_path: Path) -> None:
     assert load_config({}, environ={}).replica_drivers == ("dummy",)
     config = load_config({"drivers": ["torch", "tcp:10.0.0.2:7000"], "model": "/m.gguf"}, environ={})

@@ -17,13 +17,14 @@ from host.engine import ReplicatedEngine
 from tests.host.daemon.conftest import Server, _free_port, serving
 
 MESSAGES: Any = [{"role": "user", "content": "Tell a long story."}]
+PAGES = (3000, 4000)  # each replica's own driver argument (after the common driver_args)
 
 
 @pytest.fixture(scope="module")
 def pair(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     config = dataclasses.replace(
         server.config,
-        drivers=("dummy", "dummy"),
+        drivers=tuple(f"dummy --num-pages {n}" for n in PAGES),
         port=_free_port(),
         data_dir=tmp_path_factory.mktemp("replicas-data"),
     )
@@ -52,6 +53,7 @@ def test_health_and_metrics_report_each_replica(pair: Server) -> None:
     assert [r["index"] for r in replicas] == [0, 1]
     assert replicas[0]["driver"]["pid"] != replicas[1]["driver"]["pid"]
     assert all(r["engine"]["num_pages"] > 0 and "forwards" in r["engine"]["driver_stats"] for r in replicas)
+    assert tuple(r["engine"]["num_pages"] for r in replicas) == PAGES  # each ran with its own arguments
     with pair.http() as http:
         health = http.get("/health").json()
         text = http.get("/metrics").text
@@ -123,7 +125,7 @@ def test_killing_one_replica_fails_only_its_requests_and_it_restarts(pair: Serve
 def affine_pair(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     config = dataclasses.replace(
         server.config,
-        drivers=("dummy", "dummy"),
+        drivers=tuple(f"dummy --num-pages {n}" for n in PAGES),
         prefix_match_unit=16,  # the dummy's page size
         port=_free_port(),
         data_dir=tmp_path_factory.mktemp("affine-data"),

@@ -1,0 +1,183 @@
+"""Where a batch-1 decode step of the torch driver goes: the step cut into its host-side pieces
+(plan, attention layouts, embedding, per-layer keys, the compiled stack, sampling), medians over
+the steps, next to the int8 matmuls alone (every `DynamicInt8Linear` of the model called once,
+as one step calls them) and the read bandwidth probe: the matmuls' GB/s against the probe says
+how close the kernel streams to the memory, and the step minus the matmuls what the rest costs.
+
+    python bench/decode_split.py [--dtype float32+w8a8+compile] [--threads 2] [--steps 48] [--out F]
+
+The pieces are the calls `TorchDriver.forward` makes for a decode pass, made one by one here with
+a clock between them (`CompiledModel.__call__`'s decode branch, unrolled). Needs a `+compile`
+entry with `+w8a8` (the C++ kernel path). Not part of the test run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from decode import _request, bench_ours, capped, cpu_description, make_driver, read_bandwidth_gbs
+
+from bridge_schema.batch import build_forward
+from drivers.torch import compiled as compiled_module
+from drivers.torch.checkpoint import load_checkpoint
+from drivers.torch.driver import TorchDriver
+from drivers.torch.paged_attention import PagedAttention
+from drivers.torch.quantize import DynamicInt8Linear
+
+PROMPT = 64
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class _Clock:
+    """Milliseconds between ticks, kept per piece name."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = {}
+        self.start = self.last = time.perf_counter()
+
+    def restart(self) -> None:
+        self.start = self.last = time.perf_counter()
+
+    def tick(self, name: str) -> None:
+        now = time.perf_counter()
+        self.times.setdefault(name, []).append((now - self.last) * 1000)
+        self.last = now
+
+
+def step_pieces(drv: TorchDriver, steps: int) -> dict[str, list[float]]:
+    """Decode `steps` tokens after a PROMPT-token prefill, timing each piece of every step (ms)."""
+    assert drv.compiled is not None and drv.cache is not None, "needs a +compile entry"
+    cm, cfg = drv.compiled, drv.cfg
+    model = cm.model
+    pages = (PROMPT + steps + 15) // 16
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, PROMPT).tolist()
+    last = int(drv.forward(build_forward(0, [_request(0, prompt, 0, 16, pages)])).tokens[0])
+    clock = _Clock()
+    with torch.inference_mode():
+        for s in range(steps):
+            req = build_forward(s + 1, [_request(0, [last], PROMPT + s, 16, pages)])
+            clock.restart()
+            plan, _ = drv.plan_pass(req)
+            clock.tick("plan")
+            attention = PagedAttention(
+                cfg, drv.cache, plan, drv.use_triton, for_compiled=True, kernel=drv.attention_kernel
+            )
+            clock.tick("attention layouts")
+            x, rope_full, rope_local = model.embed(plan.tokens, plan.positions)
+            clock.tick("embed")
+            keys = [attention.layer_keys(i) for i in range(cfg.num_layers)]
+            compiled_module._mark_dynamic(*{id(t): t for k in keys for t in k[2:]}.values())
+            compiled_module._mark_dynamic(x, *rope_full, *rope_local)
+            clock.tick("layer keys")
+            blocks, head = model.model.blocks(), model.head()
+            logits = cm._stack(
+                cfg, blocks, x, (*rope_full, *rope_local), keys, model.model.norm, head, attention.kernel
+            )
+            clock.tick("compiled stack")
+            last = int(drv.sample_pass(req, plan, logits, clock.start).tokens[0])
+            clock.tick("sample")
+            clock.times.setdefault("step", []).append((clock.last - clock.start) * 1000)
+    return clock.times
+
+
+def matmuls_alone(drv: TorchDriver, rounds: int) -> tuple[float, int, dict[str, float]]:
+    """One call of every int8 linear of the model on one row: (median ms, bytes, us per shape)."""
+    lins = [m for m in drv.model.modules() if isinstance(m, DynamicInt8Linear) and m.use_kernel]
+    assert lins, "needs a +w8a8 entry on the C++ kernel"
+    rows = {id(lin): torch.randn(1, lin.in_features) for lin in lins}
+
+    def call(lin: DynamicInt8Linear) -> None:
+        torch.ops.wafer.w8a8_linear(rows[id(lin)], lin.weight_int8, lin.scale, lin.weight_sum, 0)
+
+    for lin in lins:
+        call(lin)
+    totals, per_shape = [], {}
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for lin in lins:
+            call(lin)
+        totals.append((time.perf_counter() - t) * 1000)
+    shapes: dict[tuple[int, int], list[DynamicInt8Linear]] = {}
+    for lin in lins:
+        shapes.setdefault((lin.in_features, lin.scale.numel()), []).append(lin)
+    for (k, n), group in shapes.items():
+        samples = []
+        for _ in range(rounds):
+            t = time.perf_counter()
+            for lin in group:
+                call(lin)
+            samples.append((time.perf_counter() - t) / len(group) * 1e6)
+        per_shape[f"{k}x{n} (x{len(group)})"] = statistics.median(samples)
+    return statistics.median(totals), sum(lin.weight_int8.numel() for lin in lins), per_shape
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="float32+w8a8+compile", help="one bench/decode.py --dtype entry")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=15, help="rounds of the matmuls alone")
+    parser.add_argument("--out", default="bench/results/decode_split.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    cpu = cpu_description()
+    print(f"CPU: {cpu['model']}; kernels: {cpu['kernels']}; threads {torch.get_num_threads()}")
+    log("loading SmolLM2 and starting the driver (a first --compile start compiles for minutes) ...")
+    ckpt = load_checkpoint("smollm2", show_progress=False)
+    with capped(args.dtype):
+        drv = make_driver(ckpt, args.dtype, "cpu", (PROMPT + args.steps + 15) // 16 + 8)
+        bench_ours(drv, [np.random.default_rng(1).integers(0, 49152, 8).tolist()], 4)  # warm up
+        log(f"timing {args.steps} decode steps piece by piece ...")
+        times = step_pieces(drv, args.steps)
+        log("timing the int8 matmuls alone ...")
+        matmul_ms, matmul_bytes, per_shape = matmuls_alone(drv, args.rounds)
+    probe = read_bandwidth_gbs("cpu", repeats=5)
+    skip = min(4, args.steps // 4)  # the first steps warm caches and allocators
+    medians = {name: statistics.median(v[skip:]) for name, v in times.items()}
+    step = medians["step"]
+    print(f"\n| piece | ms (median of {args.steps - skip} steps) | share of the step |")
+    print("|---|---|---|")
+    for name, ms in medians.items():
+        print(f"| {name} | {ms:.3f} | {ms / step:.0%} |")
+    print(
+        f"\nint8 matmuls alone: {matmul_ms:.2f} ms a step ({matmul_ms / step:.0%} of the step), "
+        f"{matmul_bytes / 1e6:.1f} MB, {matmul_bytes / matmul_ms / 1e6:.1f} GB/s; probe {probe:.1f} GB/s "
+        f"(the matmuls at {matmul_bytes / matmul_ms / 1e6 / probe:.0%} of it)"
+    )
+    print(f"step minus the matmuls: {step - matmul_ms:.2f} ms; decode {1000 / step:.1f} tok/s")
+    for shape, us in per_shape.items():
+        k, n = (int(v) for v in shape.split(" ")[0].split("x"))
+        print(f"  {shape}: {us:.1f} us a call, {k * n / us / 1e3:.1f} GB/s")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {
+        "cpu": cpu,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "pieces_ms": medians,
+        "matmuls_ms": matmul_ms,
+        "matmul_bytes": matmul_bytes,
+        "matmul_us_per_shape": per_shape,
+        "probe_gbs": probe,
+        "decode_tok_s": 1000 / step,
+    }
+    out.write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -54,7 +54,7 @@ bench-decode: $(STAMP)  # SmolLM2: decode vs transformers, prefix reuse and spec
 # greedy tokens on the GPU against the CPU path's, and bench/decode.py --device cuda (~5 minutes).
 # Needs a CUDA build of torch in the venv; untested on hardware so far (no GPU lent yet).
 gpu-check: $(STAMP)
-	TRITON_INTERPRET=0 $(PY) -m pytest -q -p no:cacheprovider tests/drivers/torch/test_triton_kernel.py
+	TRITON_INTERPRET=0 $(PY) -m pytest -q -p no:cacheprovider tests/drivers/torch/test_triton_kernel.py tests/drivers/torch/test_cuda_graphs.py
 	$(PY) bench/gpu_check.py
 
 clean:

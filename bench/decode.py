@@ -8,14 +8,15 @@ Prints the CPU it ran on and which variant each C++ kernel runs.
     python bench/decode.py [--threads N] [--dtype float32,float32+w8a8+compile] [--batches 1,8,32]
                            [--peer llamacpp] [--json PATH]
 
-Each --dtype entry is DTYPE[+WEIGHTS][+compile][+torchmm][+torchattn][+unpacked][+kv16][+ISA]: the
-activation dtype, the weight kind (int8, w8a8; dense when absent), whether the driver runs its
+Each --dtype entry is DTYPE[+WEIGHTS][+compile][+torchmm][+torchattn][+unpacked][+kv16][+graphs][+ISA]:
+the activation dtype, the weight kind (int8, w8a8; dense when absent), whether the driver runs its
 compiled path, (torchmm) whether w8a8 keeps the torch matmul path instead of the C++ kernel,
 (torchattn) whether float32 decode keeps the torch attention path instead of the C++ kernel,
-(unpacked) whether int8 weights stay one tensor each instead of one buffer on huge pages, and
-(kv16) a float16 KV cache, (ISA: avx2, avx2_vnni, portable, ...) the C++ kernels capped at that
-instruction-set level (the AVX2 variants measured on an AVX-512 machine). transformers runs once per
-activation dtype and batch, on the same prompts as every entry. Prints a table and writes JSON.
+(unpacked) whether int8 weights stay one tensor each instead of one buffer on huge pages,
+(kv16) a float16 KV cache, (graphs) decode passes replayed from CUDA graphs (CUDA only), and
+(ISA: avx2, avx2_vnni, portable, ...) the C++ kernels capped at that instruction-set level (the
+AVX2 variants measured on an AVX-512 machine). transformers runs once per activation dtype and
+batch, on the same prompts as every entry. Prints a table and writes JSON.
 Not part of the test run.
 """
 
@@ -165,7 +166,7 @@ def best_of(repeats: int, run: Callable[[], tuple[float, float]]) -> tuple[float
     return max(r[0] for r in results), max(r[1] for r in results)
 
 
-_FLAGS = ("compile", "torchmm", "torchattn", "unpacked", "kv16", *cpu_kernels.ISAS)
+_FLAGS = ("compile", "torchmm", "torchattn", "unpacked", "kv16", "graphs", *cpu_kernels.ISAS)
 
 
 def isa_of(spec: str) -> str:
@@ -191,6 +192,7 @@ def make_driver(ckpt: Checkpoint, spec: str, device: str, num_pages: int) -> Tor
         attention_kernel="torchattn" not in flags,
         kv_dtype="float16" if "kv16" in flags else "",
         pack_weights="unpacked" not in flags,
+        cuda_graphs="graphs" in flags,
     )
     drv = TorchDriver(ckpt, options)
     drv.handshake(Hello())

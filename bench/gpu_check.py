@@ -1,8 +1,9 @@
 """The CUDA path of the torch driver checked on a real GPU, in one short run (`make gpu-check`,
-about 5 minutes): SmolLM2 decoding 64 greedy tokens on the GPU (float32, then bfloat16) compared
-with the CPU path's tokens, then a short `bench/decode.py --device cuda`. The Triton kernel tests
-on CUDA run before it (`make gpu-check` runs them with TRITON_INTERPRET=0). Writes
-bench/results/gpu_check.json; exits 1 if the GPU's float32 tokens differ from the CPU's."""
+about 5 minutes): SmolLM2 decoding 64 greedy tokens on the GPU (float32 without and with CUDA
+graphs, then bfloat16) compared with the CPU path's tokens, then a short `bench/decode.py
+--device cuda`. The Triton kernel and CUDA-graph tests on CUDA run before it (`make gpu-check`
+runs them with TRITON_INTERPRET=0). Writes bench/results/gpu_check.json; exits 1 if the GPU's
+float32 tokens (with or without graphs) differ from the CPU's in the first 16."""
 
 from __future__ import annotations
 
@@ -53,19 +54,33 @@ def main() -> int:
     prompt = ckpt.tokenizer.encode(PROMPT, add_special_tokens=False).ids
     results: dict[str, object] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
     runs = {}
-    for device, dtype in (("cpu", "float32"), ("cuda", "float32"), ("cuda", "bfloat16")):
-        drv = TorchDriver(ckpt, DriverOptions(device=device, dtype=dtype, num_pages=16))
+    for device, dtype, graphs in (
+        ("cpu", "float32", False),
+        ("cuda", "float32", False),
+        ("cuda", "float32", True),
+        ("cuda", "bfloat16", True),
+    ):
+        drv = TorchDriver(ckpt, DriverOptions(device=device, dtype=dtype, num_pages=16, cuda_graphs=graphs))
         drv.handshake(Hello())
         tokens, rate = greedy(drv, prompt, NEW_TOKENS)
-        runs[f"{device} {dtype}"] = tokens
+        name = f"{device} {dtype}" + (" graphs" if graphs else "")
+        runs[name] = tokens
         text = ckpt.tokenizer.decode(tokens)
-        print(f"{device} {dtype}: {rate:.1f} tok/s: {text!r}", flush=True)
-        results[f"{device}_{dtype}"] = {"tokens": tokens, "decode_tok_s": rate, "text": text}
-    cpu, gpu, bf16 = runs["cpu float32"], runs["cuda float32"], runs["cuda bfloat16"]
-    same = next((i for i, (a, b) in enumerate(zip(cpu, gpu, strict=True)) if a != b), len(cpu))
-    same_bf16 = next((i for i, (a, b) in enumerate(zip(cpu, bf16, strict=True)) if a != b), len(cpu))
-    print(f"float32: GPU and CPU tokens agree on the first {same} of {len(cpu)}; bfloat16: {same_bf16}")
-    results["agree_float32"], results["agree_bfloat16"] = same, same_bf16
+        served = f" ({drv.graphs.passes} passes from CUDA graphs{drv.graphs.disabled and '; ' + drv.graphs.disabled})"
+        print(f"{name}: {rate:.1f} tok/s{served if drv.graphs else ''}: {text!r}", flush=True)
+        results[name.replace(" ", "_")] = {"tokens": tokens, "decode_tok_s": rate, "text": text}
+    cpu = runs["cpu float32"]
+
+    def agree(other: str) -> int:
+        return next((i for i, (a, b) in enumerate(zip(cpu, runs[other], strict=True)) if a != b), len(cpu))
+
+    same, same_graphs, same_bf16 = agree("cuda float32"), agree("cuda float32 graphs"), agree("cuda bfloat16 graphs")
+    print(
+        f"float32: GPU and CPU tokens agree on the first {same} of {len(cpu)}, with CUDA graphs {same_graphs}; "
+        f"bfloat16 (graphs): {same_bf16}"
+    )
+    results["agree_float32"], results["agree_float32_graphs"] = same, same_graphs
+    results["agree_bfloat16"] = same_bf16
     bench = subprocess.run(
         [
             sys.executable,
@@ -73,7 +88,7 @@ def main() -> int:
             "--device",
             "cuda",
             "--dtype",
-            "float32,bfloat16",
+            "float32,float32+graphs,bfloat16,bfloat16+graphs",
             "--batches",
             "1,8,32",
             "--repeats",
@@ -90,7 +105,7 @@ def main() -> int:
     print(f"wrote {out}")
     # Float32 on two devices may round differently and flip a near tie late in a long greedy
     # decode; the first 16 tokens must agree.
-    return 0 if same >= 16 and bench.returncode == 0 else 1
+    return 0 if min(same, same_graphs) >= 16 and bench.returncode == 0 else 1
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 SmolLM2-135M's shape with random weights (no checkpoint to carry): the step's rate, then Python's
 profile (cumulative time per function) and torch's profiler (host time per op, CUDA syncs) over a
 few steps. Usage: python bench/gpu_profile.py [--device cuda] [--dtype float32] [--steps 32]
-[--out DIR] (writes DIR/gpu_profile.txt with the tables)."""
+[--graphs] [--out DIR] (writes DIR/gpu_profile.txt with the tables)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--graphs", action="store_true", help="replay decode passes from CUDA graphs")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     report = io.StringIO()
@@ -52,7 +53,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         print("writing a random model of SmolLM2-135M's shape", flush=True)
         ckpt = load_dir(write_tiny_llama(Path(tmp) / "m", **SMOLLM2_SHAPE))
-    drv = TorchDriver(ckpt, DriverOptions(device=args.device, dtype=args.dtype, num_pages=16))
+    drv = TorchDriver(ckpt, DriverOptions(device=args.device, dtype=args.dtype, num_pages=16, cuda_graphs=args.graphs))
     drv.handshake(Hello())
     prompt = list(range(1, 33))
     greedy(drv, prompt, 8)  # warm up

@@ -49,6 +49,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="CPU: compile each layer with torch.compile at startup (tens of seconds the first time)",
     )
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="CUDA: replay decode passes from captured CUDA graphs (not yet run on hardware; docs/torch-driver.md)",
+    )
     parser.add_argument("--page-size", type=int, default=d.page_size, help="used when the host asks for 0")
     parser.add_argument("--num-pages", type=int, default=d.num_pages, help="used when the host asks for 0")
     parser.add_argument("--max-requests-per-pass", type=int, default=d.max_requests_per_pass)
@@ -94,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         weights=args.weights,
         smooth=not args.no_smooth,
         compile=args.compile,
+        cuda_graphs=args.cuda_graphs,
     )
     if args.tp_rank:
         _follow(args, options)

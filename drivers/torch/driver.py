@@ -22,6 +22,7 @@ from drivers.torch.batch_plan import CacheLimits, PassPlan, build_plan
 from drivers.torch.checkpoint import Checkpoint
 from drivers.torch.compiled import CompiledModel
 from drivers.torch.cpu_layout import transpose_linears
+from drivers.torch.cuda_graphs import DecodeGraphs
 from drivers.torch.fusion import fuse_projections
 from drivers.torch.kv_cache import PagedKVCache
 from drivers.torch.lora import LoraBatch, LoraWeights, load_peft
@@ -64,6 +65,9 @@ class DriverOptions:
     pack_weights: bool = True
     # Compile each layer with torch.compile (CPU only; see `compiled.py`); compiles at the handshake.
     compile: bool = False
+    # CUDA: replay decode passes from CUDA graphs (`cuda_graphs.py`). Off until `make gpu-check` has
+    # run the capture on hardware (the bucket logic is tested on the CPU, uncaptured).
+    cuda_graphs: bool = False
 
 
 def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> Transformer:
@@ -128,6 +132,7 @@ class TorchDriver:
             self.compiled = CompiledModel(self.model)
         self.cache: PagedKVCache | None = None
         self.limits: CacheLimits | None = None
+        self.graphs: DecodeGraphs | None = None
         self.adapters: dict[int, LoraWeights] = {}
         self.generator = torch.Generator().manual_seed(options.seed)
         self.stats: dict[str, int | float | str] = {"forwards": 0, "tokens": 0, "outputs": 0, "forward_s": 0.0}
@@ -155,6 +160,8 @@ class TorchDriver:
             fresh = False
         max_context = min(cfg.max_position, num_pages * page_size)
         self.limits = CacheLimits(page_size, num_pages, cfg.vocab_size, max_context, o.max_probe_k)
+        if fresh and self.device.type == "cuda" and o.cuda_graphs:
+            self.graphs = DecodeGraphs(cfg, self.model, self.cache, max_context, o.max_requests_per_pass)
         if fresh and self.compiled is not None:
             self._warm_up()  # the new pages hold nothing yet, so the warm-up may write into them
         tok = self.ckpt.tokenizer
@@ -244,6 +251,10 @@ class TorchDriver:
     def run_model(self, plan: PassPlan, lora: LoraBatch | None, rows: torch.Tensor) -> torch.Tensor:
         """Run the model over a planned pass (writing its KV); float32 logits [len(rows), V]."""
         assert self.cache is not None
+        if self.graphs is not None and lora is None and self.model.reduce is None:
+            logits = self.graphs.run(plan, rows)
+            if logits is not None:
+                return logits
         if self.compiled is not None and lora is None:
             attend = PagedAttention(
                 self.cfg, self.cache, plan, self.use_triton, for_compiled=True, kernel=self.attention_kernel

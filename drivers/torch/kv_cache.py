@@ -1,5 +1,6 @@
 """Page memory: K and V for every layer, allocated once at the handshake, addressed by flat slot
-(page * page_size + offset). The host assigns pages; this file never allocates on its own."""
+(page * page_size + offset). The host assigns pages; this file never allocates on its own. One
+spare slot past the pages (`spare_slot`) takes the writes of padding rows (CUDA graphs' buckets)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ class PagedKVCache:
     ) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
-        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
+        self.spare_slot = num_pages * page_size
+        shape = (num_layers, num_pages * page_size + 1, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 

@@ -157,8 +157,8 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 bucket.logits = self._forward(bucket)
-        except RuntimeError as exc:
-            self.disabled = f"capture of batch size {size} failed: {exc}"
+        except Exception as exc:  # any failure to capture leaves the plain path serving
+            self.disabled = f"capture of batch size {size} failed: {type(exc).__name__}: {exc}"
             log.warning("CUDA graphs off: %s", self.disabled)
             bucket.logits = None
             return False

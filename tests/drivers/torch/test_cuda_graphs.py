@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from bridge_schema.messages import Hello
+from drivers.torch import cuda_graphs
 from drivers.torch.checkpoint import Checkpoint
 from drivers.torch.cuda_graphs import DecodeGraphs, buckets
 from drivers.torch.driver import DriverOptions, TorchDriver
@@ -94,3 +95,32 @@ def test_ineligible_passes_take_the_plain_path(tmp_path: Path) -> None:
     drv.logits(forward([request(random_tokens(5, 96, seed=1), 0, _pages(0), PS)]))  # prefill
     drv.logits(forward([request([7], 5, _pages(0), PS, mask_rows=[[0, 6]])]))  # a user mask
     assert drv.graphs is not None and drv.graphs.passes == 0 and not drv.graphs.buckets
+
+
+@pytest.mark.skipif(ON_GPU, reason="fakes a failed capture on the CPU")
+def test_a_failed_capture_turns_graphs_off_and_the_plain_path_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    ckpt = load_dir(write_tiny_gemma(tmp_path / "m", sliding_window=4))
+    plain, graphed = _driver(ckpt, False), _driver(ckpt, True)
+    assert graphed.graphs is not None
+    graphed.graphs.capture = True  # as on CUDA, where the warm-up before the capture fails here
+
+    calls = []
+
+    def fail(*_: object) -> None:
+        calls.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cuda_graphs, "_on_side_stream", fail)
+    prompt = random_tokens(5, 96, seed=3)
+    outs = []
+    for drv in (plain, graphed):
+        drv.logits(forward([request(prompt, 0, _pages(0), PS)]))
+        outs.append(drv.logits(forward([request([9], 5, _pages(0), PS)])))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=0)
+    assert "operation not permitted" in graphed.graphs.disabled and graphed.graphs.passes == 0
+    assert "CUDA graphs off" in caplog.text
+    # Off for good: the next decode pass does not try again.
+    graphed.logits(forward([request([4], 6, _pages(0), PS)]))
+    assert graphed.graphs.passes == 0 and len(calls) == 1

@@ -26,6 +26,12 @@ from bridge_schema.framing import DEFAULT_MAX_FRAME_BYTES, HEADER, HEADER_BYTES,
 from bridge_schema.limits import Limits
 from bridge_schema.messages import Message
 
+# Set by a host in the environment of a driver process it starts and owns, to its own pid: the
+# driver exits when that process is gone (`drivers.serve.serve_forever`), so a host killed before
+# it could stop its driver leaves none behind holding its memory. Drivers started on their own
+# (`wafer driver start`, a driver at an address) never get it.
+HOST_PID_ENV = "WAFER_HOST_PID"
+
 T = TypeVar("T")
 _HAS_UVLOOP = importlib.util.find_spec("uvloop") is not None
 

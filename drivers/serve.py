@@ -10,6 +10,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 
 import anyio
@@ -35,7 +37,7 @@ from bridge_schema.messages import (
     Shutdown,
     Status,
 )
-from bridge_schema.transport import Connection, listen, parse_address, run
+from bridge_schema.transport import HOST_PID_ENV, Connection, listen, parse_address, run
 from drivers.deferred import DeferredTokens
 from drivers.errors import DriverError
 from drivers.multistep import run_steps
@@ -212,8 +214,20 @@ async def _watch_signals(state: _ServeState) -> None:
 
 
 def serve_forever(driver: Driver, address: str, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
-    """Blocking entry point for a driver's `__main__`."""
+    """Blocking entry point for a driver's `__main__`. Started by a host that owns it (HOST_PID_ENV
+    set), the process exits once that host is gone."""
+    host = os.environ.pop(HOST_PID_ENV, "")  # not inherited by what this driver starts
+    if host.isdigit():
+        threading.Thread(target=_exit_without_host, args=(int(host),), name="wafer-host-watch", daemon=True).start()
     run(serve, driver, address, max_frame_bytes)
+
+
+def _exit_without_host(pid: int, poll_s: float = 0.5) -> None:
+    # A process whose parent dies is handed to another (init, or a subreaper).
+    while os.getppid() == pid:
+        time.sleep(poll_s)
+    log.warning("the host that started this driver (pid %d) is gone: exiting", pid)
+    os._exit(3)
 
 
 async def serve_loopback(driver: Driver, conn: Connection) -> None:

@@ -26,7 +26,7 @@ from bridge_schema.client import Client
 from bridge_schema.errors import BridgeError, RemoteError
 from bridge_schema.messages import Ack, Handshake, Hello, Message, Shutdown
 from bridge_schema.transport import Connection, connect, loopback_pair, parse_address
-from host.driver_process import driver_argv, output_tail, socket_path, stop_process
+from host.driver_process import driver_argv, output_tail, owned_driver_env, socket_path, stop_process
 from host.errors import DriverFailed, InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,9 @@ async def _subprocess(spec: DriverSpec) -> AsyncIterator[DriverLink]:
     description = f"{spec.module_name} (pid pending)"
     with open(log_path, "wb") as log_file:
         # stderr goes to a file: a pipe nobody reads would stall a chatty driver.
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=owned_driver_env()
+        )
     description = f"{spec.module_name} (pid {proc.pid})"
     try:
         conn = await _wait_for_socket(proc, address, log_path, spec.startup_timeout_s)

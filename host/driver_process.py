@@ -13,6 +13,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from bridge_schema.transport import HOST_PID_ENV
+
 
 class DriverEntryError(ValueError):
     """A driver entry that cannot be read (see `split_driver`)."""
@@ -35,6 +37,12 @@ def split_driver(entry: str, builtin: Sequence[str]) -> tuple[str, tuple[str, ..
             "address is started where it runs, with its own"
         )
     return driver, args
+
+
+def owned_driver_env() -> dict[str, str]:
+    """The environment of a driver this process starts and owns: the driver exits if this
+    process dies without stopping it (`bridge_schema.transport.HOST_PID_ENV`)."""
+    return {**os.environ, HOST_PID_ENV: str(os.getpid())}
 
 
 def driver_argv(module_name: str, address: str, args: Sequence[str]) -> list[str]:

@@ -21,7 +21,7 @@ from typing import IO
 from host.daemon.config import DaemonConfig
 from host.daemon.errors import DriverUnavailable
 from host.driver_link import BUILTIN_DRIVERS
-from host.driver_process import driver_argv, output_tail, socket_path, stop_process
+from host.driver_process import driver_argv, output_tail, owned_driver_env, socket_path, stop_process
 from host.engine import Engine, EngineConfig, GrammarBudget
 from host.errors import HostError
 
@@ -217,7 +217,12 @@ class Supervisor:
         # Its own session: a Ctrl-C meant for the daemon must not kill the driver before the
         # daemon has drained its runs.
         proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=owned_driver_env(),
         )
         assert proc.stdout is not None
         self._output = threading.Thread(

@@ -3,12 +3,16 @@ child processes."""
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from host.driver_process import driver_argv, output_tail, stop_process
+from bridge_schema.transport import HOST_PID_ENV
+from host.driver_process import driver_argv, output_tail, owned_driver_env, stop_process
 
 
 def _python(code: str) -> subprocess.Popen[bytes]:
@@ -63,3 +67,70 @@ def test_output_tail_quotes_the_end_of_the_log(tmp_path: Path) -> None:
 def test_driver_argv_runs_this_interpreter() -> None:
     argv = driver_argv("drivers.dummy", "unix:/tmp/d.sock", ["--vocab-size", "64"])
     assert argv == [sys.executable, "-m", "drivers.dummy", "--listen", "unix:/tmp/d.sock", "--vocab-size", "64"]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has exited; whoever inherited it reaps it when it will
+
+
+def _exits(pid: int, within_s: float = 20.0) -> bool:
+    """Whether `pid` exits within `within_s` (killed if it does not, so no test leaves it behind)."""
+    deadline = time.monotonic() + within_s
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not _running(pid):
+        return True
+    os.kill(pid, signal.SIGKILL)
+    return False
+
+
+def test_a_driver_exits_when_the_host_that_owns_it_is_killed() -> None:
+    # A host killed with SIGKILL cannot stop its driver; the driver sees its parent gone and exits.
+    host = _python(
+        "import time; from host.engine import Engine, EngineConfig\n"
+        "engine = Engine.start(EngineConfig('dummy'))\n"
+        "print('ready', flush=True); time.sleep(120)"
+    )
+    with host:
+        _ready(host)
+        (driver,) = _children(host.pid)
+        assert _running(driver)
+        host.kill()
+        host.wait()
+        assert _exits(driver), "the driver outlived the host that started it"
+
+
+def test_an_owned_drivers_environment_names_its_host() -> None:
+    assert owned_driver_env()[HOST_PID_ENV] == str(os.getpid())
+
+
+def test_the_daemons_driver_exits_when_the_daemon_is_killed() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "host.daemon", "--driver", "dummy", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    with daemon:
+        deadline = time.monotonic() + 60
+        drivers: list[int] = []
+        while not drivers and time.monotonic() < deadline and daemon.poll() is None:
+            drivers = [c for c in _children(daemon.pid) if b"drivers.dummy" in Path(f"/proc/{c}/cmdline").read_bytes()]
+            time.sleep(0.05)
+        assert drivers, "the daemon started no driver"
+        daemon.kill()
+        daemon.wait()
+        assert _exits(drivers[0]), "the driver outlived the daemon that started it"

@@ -52,7 +52,7 @@ bench-decode: $(STAMP)  # SmolLM2: decode vs transformers, prefix reuse and spec
 
 # On a machine with a CUDA GPU (never in CI): the Triton kernel tests compiled for CUDA, SmolLM2's
 # greedy tokens on the GPU against the CPU path's, and bench/decode.py --device cuda (~5 minutes).
-# Needs a CUDA build of torch in the venv; untested on hardware so far (no GPU lent yet).
+# Needs a CUDA build of torch in the venv; passed once on an NVIDIA H200 (docs/performance.md, CUDA).
 gpu-check: $(STAMP)
 	$(MAKE) gpu-check-with PY=$(PY)
 

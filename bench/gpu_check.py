@@ -66,8 +66,11 @@ def main() -> int:
         name = f"{device} {dtype}" + (" graphs" if graphs else "")
         runs[name] = tokens
         text = ckpt.tokenizer.decode(tokens)
-        served = f" ({drv.graphs.passes} passes from CUDA graphs{drv.graphs.disabled and '; ' + drv.graphs.disabled})"
-        print(f"{name}: {rate:.1f} tok/s{served if drv.graphs else ''}: {text!r}", flush=True)
+        served = ""
+        if drv.graphs is not None:  # only on CUDA with graphs on
+            why_off = f"; {drv.graphs.disabled}" if drv.graphs.disabled else ""
+            served = f" ({drv.graphs.passes} passes from CUDA graphs{why_off})"
+        print(f"{name}: {rate:.1f} tok/s{served}: {text!r}", flush=True)
         results[name.replace(" ", "_")] = {"tokens": tokens, "decode_tok_s": rate, "text": text}
     cpu = runs["cpu float32"]
 

@@ -72,7 +72,7 @@ def handle(driver: Driver, state: _ServeState, message: Message) -> Message:
         elif message.IS_REPLY:
             return _error(rid, Status.BAD_REQUEST, "schema", "t", f"{message.TAG!r} is a reply, not a request")
         elif isinstance(message, Health):
-            stats = {**driver.health(), "deferred_tokens_filled": state.deferred.num_filled}
+            stats = {**driver.health(), "deferred_tokens_filled": state.deferred.num_filled, "pid": os.getpid()}
             reply = HealthReply(state="ok" if state.limits else "awaiting_hello", stats=stats)
         elif isinstance(message, Shutdown):
             reply = Ack()  # the serve loop stops once this reply is sent

@@ -21,7 +21,7 @@ from host.sandbox import BufferedRunIO, RunOutcome, RunStatus, Sandbox, SandboxC
 from host.sandbox.config import MIB, default_cache_dir
 
 if TYPE_CHECKING:
-    from host.engine import Engine, ReplicatedEngine
+    from host.dev_engines import DevEngines
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -90,30 +90,6 @@ def _console_io() -> BufferedRunIO:
     return BufferedRunIO(on_chunk=write, on_send=show_sent)
 
 
-def _start_engine(ns: argparse.Namespace) -> Engine | ReplicatedEngine:
-    """One engine on `--driver`, or replicas when it is given more than once (fresh drivers)."""
-    from host.driver_link import BUILTIN_DRIVERS
-    from host.driver_process import split_driver
-    from host.engine import (
-        Engine,
-        EngineConfig,
-        ReplicatedEngine,
-    )  # the bridge and anyio, which `wafer build` does not need
-
-    entries = [split_driver(entry, BUILTIN_DRIVERS) for entry in ns.driver or ["dummy"]]
-    configs = [
-        EngineConfig(
-            driver=_kept_or_fresh(ns, driver) if len(entries) == 1 and not own else driver,
-            driver_args=(*ns.driver_arg, *own),
-            speculation_depth=ns.speculation_depth,
-            max_decode_steps=ns.max_decode_steps,
-            adapter_dir=ns.adapter_dir,
-        )
-        for driver, own in entries
-    ]
-    return Engine.start(configs[0]) if len(configs) == 1 else ReplicatedEngine.start(configs)
-
-
 def _report(outcome: RunOutcome, source_dir: Path | None) -> int:
     """End the output's line; say how a run that did not end well ended (paths in its
     traceback mapped back to the inferlet's files). The exit code."""
@@ -130,6 +106,8 @@ def _report(outcome: RunOutcome, source_dir: Path | None) -> int:
 
 
 def cmd_run(ns: argparse.Namespace) -> int:
+    from host.cli_engines import start_engine  # the engine, which `wafer build` does not need
+
     try:
         wasm_path, source_dir = _component_path(ns)
     except BuildError as exc:
@@ -137,7 +115,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
         return EXIT_FAILED
     io = _console_io()
     try:
-        with Sandbox(_sandbox_config(ns)) as sandbox, _start_engine(ns) as engine:
+        with Sandbox(_sandbox_config(ns)) as sandbox, start_engine(ns, _progress) as engine:
             component = sandbox.load(wasm_path, _progress)
             handle = sandbox.start(component, engine, ns.inferlet_args, io=io)
             if ns.stdin:
@@ -156,19 +134,24 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
 
 def cmd_dev(ns: argparse.Namespace) -> int:
-    """Run the inferlet, then again after every change to its files, on one engine and driver."""
+    """Run the inferlet, then again after every change to its files, on the same drivers (each
+    lost one restarted before the next run)."""
     try:
         folder = resolve_inferlet(ns.inferlet)
     except BuildError as exc:
         print(f"wafer: error: {exc}", file=sys.stderr)
         return EXIT_FAILED
 
-    def once(changed: Callable[[], bool], sandbox: Sandbox, engine: Engine | ReplicatedEngine) -> None:
+    def once(changed: Callable[[], bool], sandbox: Sandbox, engines: DevEngines) -> None:
         try:
             result = build(str(folder), ns.cache_dir, _quiet, snapshot=ns.snapshot, slow=_progress)
             loaded = sandbox.load(result.wasm_path, _progress)
         except (BuildError, SandboxError) as exc:
             print(f"wafer: error: {exc}", file=sys.stderr)
+            return
+        engine = engines.for_next_run()  # a driver lost since the last run is restarted first
+        if engine is None:
+            print("wafer: error: no model driver is up; trying again at the next change", file=sys.stderr)
             return
         io = _console_io()
         io.close()  # no client: receive() returns None
@@ -183,9 +166,15 @@ def cmd_dev(ns: argparse.Namespace) -> int:
                 continue
         _report(handle.wait(), folder)
 
+    from host.cli_engines import engine_configs  # the engine, which `wafer build` does not need
+    from host.dev_engines import DevEngines
+
     try:
-        with Sandbox(_sandbox_config(ns)) as sandbox, _start_engine(ns) as engine:
-            dev_loop.watch(folder, lambda changed: once(changed, sandbox, engine), _progress)
+        with (
+            Sandbox(_sandbox_config(ns)) as sandbox,
+            DevEngines.start(engine_configs(ns, _progress), _progress) as engines,
+        ):
+            dev_loop.watch(folder, lambda changed: once(changed, sandbox, engines), _progress)
     except KeyboardInterrupt:
         print("\nwafer: dev stopped", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -193,27 +182,6 @@ def cmd_dev(ns: argparse.Namespace) -> int:
         print(f"wafer: error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
-
-
-def _kept_or_fresh(ns: argparse.Namespace, driver: str) -> str:
-    """The driver to use: a kept one (`wafer driver start NAME`) if there is one, else `driver`."""
-    from host import kept_drivers
-    from host.driver_link import BUILTIN_DRIVERS
-
-    if driver not in BUILTIN_DRIVERS or not ns.kept:
-        return str(driver)
-    kept = kept_drivers.find(ns.cache_dir, driver)
-    if kept is None:
-        if driver == "torch":
-            _progress(
-                "starting the torch driver for this run (it loads the model first); "
-                "`wafer driver start torch` keeps one running for later runs"
-            )
-        return str(driver)
-    _progress(f"using the kept {driver} driver (pid {kept.pid}; `wafer driver stop {driver}` ends it)")
-    if ns.driver_arg and list(ns.driver_arg) != list(kept.args):
-        _progress(f"--driver-arg is ignored: the kept driver runs with {list(kept.args)} (--fresh-driver to use yours)")
-    return kept.address
 
 
 def cmd_driver(ns: argparse.Namespace) -> int:

@@ -82,22 +82,8 @@ class ReplicatedEngine(ReplicaTotals):
 
     @classmethod
     def start(cls, configs: Sequence[EngineConfig]) -> ReplicatedEngine:
-        """Start every replica's driver at once; `DriverFailed` (the others closed) if one does
-        not start or serves another model or vocabulary than the first."""
-        with concurrent.futures.ThreadPoolExecutor(len(configs)) as pool:
-            futures = [pool.submit(Engine.start, config) for config in configs]
-        engines = [f.result() for f in futures if f.exception() is None]
-        try:
-            for index, f in enumerate(futures):
-                if (error := f.exception()) is not None:
-                    raise DriverFailed(f"replica {index} ({configs[index].driver}) did not start: {error}")
-            for index, engine in enumerate(engines[1:], 1):
-                if mismatch := disagreement(engines[0].handshake, engine.handshake):
-                    raise DriverFailed(f"replica {index} ({configs[index].driver}) {mismatch}")
-        except BaseException:
-            for engine in engines:
-                engine.close()
-            raise
+        """Start every replica's driver at once (`start_engines`); this engine closes them."""
+        engines = start_engines(configs)
         return cls([functools.partial(_fixed, engine) for engine in engines], owned=engines)
 
     def __enter__(self) -> ReplicatedEngine:
@@ -383,6 +369,26 @@ class ReplicatedEngine(ReplicaTotals):
     def _engines(self) -> list[Engine]:
         with self._lock:
             return [engine for _, engine, _ in self._live()]
+
+
+def start_engines(configs: Sequence[EngineConfig]) -> list[Engine]:
+    """One engine per configuration, started at once; `DriverFailed` (the others closed) if one
+    does not start or serves another model or vocabulary than the first."""
+    with concurrent.futures.ThreadPoolExecutor(len(configs)) as pool:
+        futures = [pool.submit(Engine.start, config) for config in configs]
+    engines = [f.result() for f in futures if f.exception() is None]
+    try:
+        for index, f in enumerate(futures):
+            if (error := f.exception()) is not None:
+                raise DriverFailed(f"replica {index} ({configs[index].driver}) did not start: {error}")
+        for index, engine in enumerate(engines[1:], 1):
+            if mismatch := disagreement(engines[0].handshake, engine.handshake):
+                raise DriverFailed(f"replica {index} ({configs[index].driver}) {mismatch}")
+    except BaseException:
+        for engine in engines:
+            engine.close()
+        raise
+    return engines
 
 
 def _fixed(engine: Engine) -> tuple[Engine, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -158,16 +159,21 @@ def _frames_exist(error: str) -> None:
     assert all(Path(f).is_file() for f in files if not f.startswith(("<", "/python/"))), files
 
 
-def test_dev_reruns_the_inferlet_after_each_change(tmp_path: Path) -> None:
-    source = "from inferlet import emit\n\n\ndef main(args):\n    emit('first ' + ' '.join(args) + '\\n')\n"
-    folder = _write_inferlet(tmp_path / "dev_me", source)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "host.cli", "dev", str(folder), "--", "x", "y"],
+def _start_dev(folder: Path, *args: str) -> subprocess.Popen[str]:
+    """`wafer dev FOLDER ARGS...` in a process of its own, its output piped as text."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "host.cli", "dev", str(folder), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    assert proc.stdout is not None and proc.stderr is not None
+
+
+def test_dev_reruns_the_inferlet_after_each_change(tmp_path: Path) -> None:
+    source = "from inferlet import emit\n\n\ndef main(args):\n    emit('first ' + ' '.join(args) + '\\n')\n"
+    folder = _write_inferlet(tmp_path / "dev_me", source)
+    proc = _start_dev(folder, "--", "x", "y")
+    assert proc.stdout is not None
     try:
         assert proc.stdout.readline() == "first x y\n"
         (folder / "app.py").write_text(source.replace("'first '", "'second '"))
@@ -181,3 +187,41 @@ def test_dev_reruns_the_inferlet_after_each_change(tmp_path: Path) -> None:
     assert err.count("changed: rebuilding and running") == 2
     assert "NameError: name 'missing' is not defined" in err
     _frames_exist(err[err.index("Traceback") :])
+
+
+def _children(pid: int, marker: str) -> list[int]:
+    """Processes whose parent is `pid` and whose command line holds `marker`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        if ppid == pid and marker in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def test_dev_restarts_a_driver_lost_between_runs(tmp_path: Path) -> None:
+    source = "from inferlet import Context, emit\n\n\ndef main(args):\n    Context().fill('hi')\n    emit('first\\n')\n"
+    folder = _write_inferlet(tmp_path / "dev_restart", source)
+    proc = _start_dev(folder, "--driver", "dummy", "--driver", "dummy")
+    assert proc.stdout is not None
+    try:
+        assert proc.stdout.readline() == "first\n"
+        drivers = _children(proc.pid, "drivers.dummy")
+        assert len(drivers) == 2
+        os.kill(drivers[0], signal.SIGKILL)
+        (folder / "app.py").write_text(source.replace("'first", "'second"))
+        assert proc.stdout.readline() == "second\n"
+        assert len(_children(proc.pid, "drivers.dummy")) == 2
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert re.search(r"wafer: replica \d \(dummy\) was lost \(.+\): restarting it", err), err
+    assert re.search(r"wafer: replica \d \(dummy\) restarted", err), err

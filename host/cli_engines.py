@@ -1,0 +1,52 @@
+"""The engines `wafer run` and `wafer dev` start from their options: one per `--driver`
+(replicas when it is repeated), on a kept driver (`wafer driver start`) where one is running.
+Imported only by commands that run inferlets (the bridge and anyio; `wafer build` needs neither)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from host import kept_drivers
+from host.driver_link import BUILTIN_DRIVERS
+from host.driver_process import split_driver
+from host.engine import Engine, EngineConfig, ReplicatedEngine
+
+
+def engine_configs(ns: argparse.Namespace, say: Callable[[str], None]) -> list[EngineConfig]:
+    """One engine configuration per `--driver` (replicas when it is given more than once)."""
+    entries = [split_driver(entry, BUILTIN_DRIVERS) for entry in ns.driver or ["dummy"]]
+    return [
+        EngineConfig(
+            driver=_kept_or_fresh(ns, driver, say) if len(entries) == 1 and not own else driver,
+            driver_args=(*ns.driver_arg, *own),
+            speculation_depth=ns.speculation_depth,
+            max_decode_steps=ns.max_decode_steps,
+            adapter_dir=ns.adapter_dir,
+        )
+        for driver, own in entries
+    ]
+
+
+def start_engine(ns: argparse.Namespace, say: Callable[[str], None]) -> Engine | ReplicatedEngine:
+    """One engine on `--driver`, or replicas when it is given more than once (fresh drivers)."""
+    configs = engine_configs(ns, say)
+    return Engine.start(configs[0]) if len(configs) == 1 else ReplicatedEngine.start(configs)
+
+
+def _kept_or_fresh(ns: argparse.Namespace, driver: str, say: Callable[[str], None]) -> str:
+    """The driver to use: a kept one (`wafer driver start NAME`) if there is one, else `driver`."""
+    if driver not in BUILTIN_DRIVERS or not ns.kept:
+        return str(driver)
+    kept = kept_drivers.find(ns.cache_dir, driver)
+    if kept is None:
+        if driver == "torch":
+            say(
+                "starting the torch driver for this run (it loads the model first); "
+                "`wafer driver start torch` keeps one running for later runs"
+            )
+        return str(driver)
+    say(f"using the kept {driver} driver (pid {kept.pid}; `wafer driver stop {driver}` ends it)")
+    if ns.driver_arg and list(ns.driver_arg) != list(kept.args):
+        say(f"--driver-arg is ignored: the kept driver runs with {list(kept.args)} (--fresh-driver to use yours)")
+    return kept.address

@@ -1,0 +1,94 @@
+"""The engines `wafer dev` runs its inferlet on: one per driver (replicas when there are several),
+each checked before every run and restarted when its driver was lost, so that one crashed driver
+does not end the loop. Knows nothing of builds, the sandbox or the console.
+
+A run lives on one replica, so a driver lost during a run fails that run (the others keep
+serving); what a supervisor can do is bring the driver back before the next run, here.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from host.engine import Engine, EngineConfig, ReplicatedEngine
+from host.engine.replicas import start_engines
+from host.errors import HostError
+
+
+@dataclass(slots=True)
+class _Slot:
+    config: EngineConfig
+    label: str
+    engine: Engine | None
+    generation: int = 1  # one more at every restart: the replicated engine sees a new driver
+
+
+def _current(slot: _Slot) -> tuple[Engine, int] | None:
+    return None if slot.engine is None else (slot.engine, slot.generation)
+
+
+class DevEngines:
+    """`DevEngines.start(configs, say)`; before each run `for_next_run()` gives the engine to run
+    on, or None when no driver could be brought back (`say` has told why)."""
+
+    def __init__(self, configs: Sequence[EngineConfig], engines: Sequence[Engine], say: Callable[[str], None]) -> None:
+        several = len(configs) > 1
+        self._slots = [
+            _Slot(config, f"replica {i} ({config.driver})" if several else f"the driver ({config.driver})", engine)
+            for i, (config, engine) in enumerate(zip(configs, engines, strict=True))
+        ]
+        self._say = say
+        sources = [functools.partial(_current, slot) for slot in self._slots]
+        self._replicated = ReplicatedEngine(sources) if several else None
+
+    @classmethod
+    def start(cls, configs: Sequence[EngineConfig], say: Callable[[str], None]) -> DevEngines:
+        """Start every driver; a failed first start is the caller's error (`HostError`), not retried."""
+        engines = [Engine.start(configs[0])] if len(configs) == 1 else start_engines(configs)
+        return cls(configs, engines, say)
+
+    def __enter__(self) -> DevEngines:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for slot in self._slots:
+            if slot.engine is not None:
+                slot.engine.close()
+                slot.engine = None
+
+    @property
+    def generations(self) -> list[int]:
+        """Each driver's generation (1 at the start, one more at each restart)."""
+        return [slot.generation for slot in self._slots]
+
+    def for_next_run(self) -> Engine | ReplicatedEngine | None:
+        """Check every driver with a health round trip (a dead process is noticed by the next
+        message to it, not before); restart each that fails it. The engine runs use: the one
+        driver's, or the replicated one over every driver that is up."""
+        for slot in self._slots:
+            self._check(slot)
+        if self._replicated is None:
+            return self._slots[0].engine
+        return self._replicated if any(slot.engine is not None for slot in self._slots) else None
+
+    def _check(self, slot: _Slot) -> None:
+        if slot.engine is not None:
+            try:
+                slot.engine.driver_health()
+                return
+            except HostError as exc:
+                self._say(f"{slot.label} was lost ({exc}): restarting it")
+                slot.engine.close()
+                slot.engine = None
+        try:
+            slot.engine = Engine.start(slot.config)
+        except HostError as exc:
+            self._say(f"{slot.label} did not restart ({exc}); trying again before the next run")
+            return
+        slot.generation += 1
+        self._say(f"{slot.label} restarted")

@@ -4,7 +4,9 @@ take their block as an argument). A decode pass (one query per request: batch 1 
 contexts) runs the whole stack, output head included, as one graph instead: each compiled call
 costs ~70-100 us in dynamo's guards and Inductor's Python wrapper, a third of a batch-1 step,
 and 30 of them ~5% of a batch-32 step. Passes with LoRA adapters stay eager; the driver refuses
-it on CUDA, whose attention is a Triton kernel.
+it on CUDA, whose attention is a Triton kernel. On a tensor-parallel shard the model's `reduce`
+(an all-reduce) is traced into the graphs: dynamo turns `dist.all_reduce` into a functional
+collective that Inductor calls in place, so a layer stays one graph.
 
 Graphs: the stack's for one token and for one token per request (batch sizes are symbolic from
 2 on); the per-layer function's for everything else (prefill, mixed passes).
@@ -21,7 +23,7 @@ from torch import nn
 from drivers.torch import cpu_kernels
 from drivers.torch.config import ModelConfig
 from drivers.torch.direct_graphs import DirectGraphs
-from drivers.torch.model import Block, Transformer, attention_inputs, attention_output, output_logits
+from drivers.torch.model import Block, Reduce, Transformer, attention_inputs, attention_output, output_logits
 from drivers.torch.paged_attention import LayerKeys, PagedAttention, attend_keys
 
 
@@ -33,9 +35,10 @@ def _layer(
     sin: torch.Tensor,
     keys: LayerKeys,
     kernel: bool,
+    reduce: Reduce | None,
 ) -> torch.Tensor:
     q, k, v = attention_inputs(cfg, block, x, cos, sin, None)
-    return attention_output(cfg, block, x, attend_keys(q, k, v, keys, cfg.scale, True, kernel), None)
+    return attention_output(cfg, block, x, attend_keys(q, k, v, keys, cfg.scale, True, kernel), None, reduce)
 
 
 def _stack(
@@ -47,11 +50,12 @@ def _stack(
     norm: nn.Module,
     head: nn.Module | torch.Tensor,
     kernel: bool,
+    reduce: Reduce | None,
 ) -> torch.Tensor:
     cos, sin, cos_local, sin_local = rope
     for i, block in enumerate(blocks):
-        windowed = cfg.window(i) > 0
-        x = _layer(cfg, block, x, cos_local if windowed else cos, sin_local if windowed else sin, keys[i], kernel)
+        cos_i, sin_i = (cos_local, sin_local) if cfg.window(i) > 0 else (cos, sin)
+        x = _layer(cfg, block, x, cos_i, sin_i, keys[i], kernel, reduce)
     return output_logits(cfg, norm, head, x)
 
 
@@ -94,6 +98,7 @@ class CompiledModel:
                 model.model.norm,
                 model.head(),
                 attention.kernel,
+                model.reduce,
             )
             # Decode asks for every row in order, most of the time: then no copy (6 MB at batch 32).
             every_row = rows.shape[0] == logits.shape[0] and torch.equal(rows, torch.arange(rows.shape[0]))
@@ -103,7 +108,7 @@ class CompiledModel:
             keys = attention.layer_keys(i)
             if i == 0:  # only the first call of a pass can compile
                 _mark_dynamic(x, cos, sin, keys.slots, keys.q_index, keys.key_index, keys.mask, keys.empty, keys.valid)
-            x = self._layer(cfg, block, x, cos, sin, keys, attention.kernel)
+            x = self._layer(cfg, block, x, cos, sin, keys, attention.kernel, model.reduce)
         # At least 2 rows (repeating row 0), so that passes with 0 or 1 output rows (a prompt's
         # prefill) reuse the graph of 2 and more rather than compile their own.
         n = rows.shape[0]

@@ -30,8 +30,9 @@ _PR_SET_PDEATHSIG = 1
 
 
 class RankGroup:
-    """One rank's view of the group: `reduce` sums a tensor over ranks (the compute group: NCCL on
-    CUDA, gloo on the CPU); `broadcast` sends rank 0's operation to every rank (always gloo)."""
+    """One rank's view of the group: `reduce` sums a tensor over ranks and `max` takes its maximum
+    (the compute group: NCCL on CUDA, gloo on the CPU); `broadcast` sends rank 0's operation to
+    every rank (always gloo)."""
 
     def __init__(self, rank: int, num_ranks: int, backend: str, workers: Sequence[subprocess.Popen[bytes]] = ()):
         self.rank = rank
@@ -50,6 +51,13 @@ class RankGroup:
     def reduce(self, t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t)
         return t
+
+    def max(self, t: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum of `t` over ranks, as a new tensor (`t` may be an inference
+        tensor, which cannot be written in place outside inference mode)."""
+        out = t.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        return out
 
     def broadcast(self, op: object = None) -> object:
         """Rank 0: send `op` (None = stop) to every rank. Other ranks: the op rank 0 sent."""

@@ -11,9 +11,16 @@ and x / s is folded into what produces x: the RMS norm's weight before q/k/v and
 projection's rows before the output projection (one s per KV head channel, shared by the query
 heads of its group), the up projection's rows before the down projection. The output head keeps
 its weights (tied to the embedding). Measured on SmolLM2 (3 prompts, w8a8 logits against float32):
-correlation 0.979-0.990 without, 0.993-0.995 with alpha 0.5 (0.4, 0.65, 0.8 did worse)."""
+correlation 0.979-0.990 without, 0.993-0.995 with alpha 0.5 (0.4, 0.65, 0.8 did worse).
+
+On a tensor-parallel shard (`model.reduce` set, every rank calling `smooth` together) each fold
+stays within the rank: v rows and o columns are the same heads' channels, up rows and down columns
+the same MLP columns. The input channels of q/k/v and gate/up are whole on every rank, and
+`max_over_ranks` makes their factors those of the whole model, so the replicated norms stay equal."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +28,9 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from drivers.torch.model import Attend, RMSNorm, Transformer
+
+# The elementwise maximum of a tensor over tensor-parallel ranks (`RankGroup.max`).
+MaxOverRanks = Callable[[torch.Tensor], torch.Tensor]
 
 ALPHA = 0.5
 # Text of several kinds (prose, facts, code, a chat turn), tokenized by the model's tokenizer.
@@ -33,11 +43,15 @@ CALIBRATION_TEXT = (
 _EPS = 1e-5
 
 
-def smooth(model: Transformer, calibration: list[int], alpha: float = ALPHA) -> Transformer:
+def smooth(
+    model: Transformer, calibration: list[int], alpha: float = ALPHA, max_over_ranks: MaxOverRanks | None = None
+) -> Transformer:
     """Smooth the projections of a fused float model (see `fusion.py`) in place, from one causal
     pass over the `calibration` tokens. Every changed weight is a new tensor: the checkpoint's
-    tensors, which other models may share, are never written."""
+    tensors, which other models may share, are never written. On a tensor-parallel shard, every
+    rank calls this with the same tokens and `max_over_ranks` (see the module's docstring)."""
     stats = _input_maxima(model, calibration)
+    whole = max_over_ranks or (lambda t: t)
     cfg = model.cfg
     group, d = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     v_start = (cfg.num_heads + cfg.num_kv_heads) * d
@@ -46,10 +60,12 @@ def smooth(model: Transformer, calibration: list[int], alpha: float = ALPHA) -> 
         assert attn.qkv is not None and mlp.gate_up is not None, "smooth the fused model"
         mlp_norm = block.pre_feedforward_layernorm if cfg.arch == "gemma" else block.post_attention_layernorm
         for lin, norm, key in ((attn.qkv, block.input_layernorm, "qkv"), (mlp.gate_up, mlp_norm, "gate_up")):
-            s = _factor(stats[i, key], _column_max(lin), alpha)
+            # Over ranks: each holds some of the rows; the inputs are whole (equal to rounding).
+            s = _factor(whole(stats[i, key]), whole(_column_max(lin)), alpha)
             _scale_columns(lin, s)
             _divide_norm(norm, s)
-        # down_proj's input is act(gate) * up: divide up's rows.
+        # down_proj's input is act(gate) * up: divide up's rows. A rank holds whole columns of
+        # down and o, so their factors need nothing from the other ranks.
         s = _factor(stats[i, "down_proj"], _column_max(mlp.down_proj), alpha)
         _scale_columns(mlp.down_proj, s)
         _divide_rows(mlp.gate_up, cfg.intermediate_size, s)

@@ -139,7 +139,10 @@ class TorchDriver:
 
     # ------------------------------------------------------------ protocol
 
-    def handshake(self, hello: Hello) -> Handshake:
+    def handshake(self, hello: Hello, warm_up: bool = True) -> Handshake:
+        """Allocate the pages the Hello asks for (new ones only when their shape changed) and, with
+        --compile and new pages, compile the graphs (`warm_up`; a tensor-parallel rank runs it
+        after the group has its pages, since its passes reduce over the group)."""
         o = self.options
         page_size = hello.page_size or o.page_size
         num_pages = hello.num_pages or o.num_pages
@@ -162,8 +165,8 @@ class TorchDriver:
         self.limits = CacheLimits(page_size, num_pages, cfg.vocab_size, max_context, o.max_probe_k)
         if fresh and self.device.type == "cuda" and o.cuda_graphs:
             self.graphs = DecodeGraphs(cfg, self.model, self.cache, max_context, o.max_requests_per_pass)
-        if fresh and self.compiled is not None:
-            self._warm_up()  # the new pages hold nothing yet, so the warm-up may write into them
+        if fresh and self.compiled is not None and warm_up:
+            self.warm_up()  # the new pages hold nothing yet, so the warm-up may write into them
         tok = self.ckpt.tokenizer
         return Handshake(
             driver_kind="torch",
@@ -286,7 +289,7 @@ class TorchDriver:
         return plan, self.run_model(plan, lora, plan.out_tokens)
 
     @torch.inference_mode()
-    def _warm_up(self) -> None:
+    def warm_up(self) -> None:
         """Compile every graph later passes use before serving: one token, two one-token requests,
         one three-token request; with passes over the first slots of the freshly allocated pages."""
         assert self.limits is not None

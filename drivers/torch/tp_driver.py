@@ -106,15 +106,11 @@ def _handshake(driver: TorchDriver, hello: Hello, then: Callable[[], None]) -> H
     new pages, the warm-up passes that compile the graphs. The warm-up's passes reduce over the
     group, so every rank runs them together once all have their pages; a Hello that rank 0 refuses
     raises before `then`, and no other rank sees it."""
-    compiled, pages = driver.compiled, driver.cache
-    driver.compiled = None  # no warm-up inside the handshake
-    try:
-        reply = driver.handshake(hello)
-    finally:
-        driver.compiled = compiled
+    pages = driver.cache
+    reply = driver.handshake(hello, warm_up=False)
     then()
-    if compiled is not None and driver.cache is not pages:
-        driver._warm_up()  # what a single driver's handshake runs last, here after the broadcast
+    if driver.compiled is not None and driver.cache is not pages:
+        driver.warm_up()  # what a single driver's handshake runs last, here after the broadcast
     return reply
 
 

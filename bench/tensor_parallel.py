@@ -8,7 +8,7 @@ faster: this measures what sharding costs (two gloo all-reduces per layer, one b
 N processes on the cores), not a speed-up. `tp_rows` is importable (e.g. by a replicas bench).
 
     python bench/tensor_parallel.py [--ranks 1,3] [--threads 1] [--prompt-tokens 128]
-                                    [--new-tokens 32] [--repeats 3] [--json PATH]
+                                    [--new-tokens 32] [--repeats 3] [--driver-args ARGS] [--out PATH]
 
 Prints a table and writes JSON. Not part of the test run.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -71,8 +72,8 @@ async def _drive(address: str, prompt_tokens: int, new_tokens: int, repeats: int
     return statistics.median(prefill), decode, tokens
 
 
-def _serve(num_ranks: int, threads: int, sock: Path) -> tuple[subprocess.Popen[bytes], float]:
-    cmd = [sys.executable, "-m", "drivers.torch", "--model", "smollm2", "--threads", str(threads)]
+def _serve(num_ranks: int, threads: int, sock: Path, extra: tuple[str, ...]) -> tuple[subprocess.Popen[bytes], float]:
+    cmd = [sys.executable, "-m", "drivers.torch", "--model", "smollm2", "--threads", str(threads), *extra]
     cmd += ["--tensor-parallel", str(num_ranks), "--listen", f"unix:{sock}", "--log-level", "WARNING"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     start = time.perf_counter()
@@ -93,16 +94,18 @@ def tp_rows(
     prompt_tokens: int = 128,
     new_tokens: int = 32,
     repeats: int = 3,
+    driver_args: tuple[str, ...] = (),
     progress: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
 ) -> list[dict[str, Any]]:
     """One row per rank count: SmolLM2 prefill and decode tokens/s over the bridge, with ratios
-    to the first entry (TP 1), and whether its greedy tokens equal the first entry's."""
+    to the first entry (TP 1), and whether its greedy tokens equal the first entry's. `driver_args`
+    go to every driver (e.g. `--weights w8a8 --compile`)."""
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in ranks:
             progress(f"TP {n}: starting {n} rank(s) ({threads} thread(s) each)")
             sock = Path(tmp) / f"tp{n}.sock"
-            proc, startup_s = _serve(n, threads, sock)
+            proc, startup_s = _serve(n, threads, sock, driver_args)
             try:
                 progress(f"TP {n}: ready in {startup_s:.1f} s; prefill x{repeats}, decode {new_tokens} tokens")
                 prefill, decode, tokens = anyio.run(_drive, f"unix:{sock}", prompt_tokens, new_tokens, repeats)
@@ -111,7 +114,8 @@ def tp_rows(
                 proc.wait(timeout=30)
             rows.append(
                 {
-                    "name": f"torch TP {n} (gloo, CPU)",
+                    "name": f"torch TP {n} (gloo, CPU){' ' + ' '.join(driver_args) if driver_args else ''}",
+                    "driver_args": list(driver_args),
                     "tensor_parallel": n,
                     "backend": "gloo",
                     "threads_per_rank": threads,
@@ -155,14 +159,18 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--driver-args", default="", help="arguments for every driver, e.g. '--weights w8a8 --compile'")
     parser.add_argument("--out", default="bench/results/tensor_parallel.json")
     args = parser.parse_args()
+    driver_args = tuple(shlex.split(args.driver_args))
     cpu = cpu_name()
-    print(f"CPU: {cpu} ({os.cpu_count()} cores); model SmolLM2-135M-Instruct, float32, over the bridge", flush=True)
+    shown = f", driver arguments {' '.join(driver_args)}" if driver_args else ""
+    model = f"model SmolLM2-135M-Instruct, float32{shown}, over the bridge"
+    print(f"CPU: {cpu} ({os.cpu_count()} cores); {model}", flush=True)
     print(f"{NOTE}", flush=True)
     load_start = os.getloadavg()[0]
     ranks = tuple(int(r) for r in args.ranks.split(","))
-    rows = tp_rows(ranks, args.threads, args.prompt_tokens, args.new_tokens, args.repeats)
+    rows = tp_rows(ranks, args.threads, args.prompt_tokens, args.new_tokens, args.repeats, driver_args)
     load_end = os.getloadavg()[0]
     print()
     print(f"load average {load_start:.2f} at the start, {load_end:.2f} at the end")

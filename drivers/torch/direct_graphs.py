@@ -104,8 +104,12 @@ class DirectGraphs:
         if self._new:
             self._pair_new_graph()
         frame = dict(zip(self._names, args, strict=True))
-        for check, graph, inputs in self._callers:
+        for i, caller in enumerate(self._callers):
+            check, graph, inputs = caller
             if check(frame):
+                if i:  # the graph that served last is checked first next time: a guard that
+                    # fails costs about as much as one that passes (~0.1 ms for the decode stack)
+                    self._callers.insert(0, self._callers.pop(i))
                 self.num_direct_calls += 1
                 return graph(*inputs(frame))[0]
         with torch._dynamo.config.patch(DYNAMO_OPTIONS):

@@ -6,6 +6,8 @@ recursive dict tags); where dynamo's cache entries cannot be read, calls go thro
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -103,3 +105,29 @@ def _cache_counts() -> tuple[int, int]:
     """Inductor's FX graph cache hits and misses so far (dynamo may replace its counters)."""
     counters = torch._dynamo.utils.counters["inductor"]
     return counters["fxgraph_cache_hit"], counters["fxgraph_cache_miss"]
+
+
+@torch.inference_mode()
+def test_the_graph_that_served_last_is_checked_first() -> None:
+    """With two graphs (float32, float64), a run of calls of one kind checks one guard each: the
+    graph that served the call before is tried first (a failing guard check costs about what a
+    passing one does: two a step on the decode stack without this)."""
+    graphs = DirectGraphs(_write_and_sum)
+    for dtype in (torch.float32, torch.float32, torch.float64, torch.float64):
+        _run(graphs, dtype)  # both graphs compiled and paired
+    checks: list[int] = []
+
+    def counting(index: int, check: Callable[[dict[str, Any]], bool]) -> Callable[[dict[str, Any]], bool]:
+        def counted(frame: dict[str, Any]) -> bool:
+            checks.append(index)
+            return check(frame)
+
+        return counted
+
+    graphs._callers = [(counting(i, c), g, r) for i, (c, g, r) in enumerate(graphs._callers)]
+    assert len(graphs._callers) == 2
+    for dtype in (torch.float32, torch.float64):
+        checks.clear()
+        for _ in range(3):
+            _check(*_run(graphs, dtype))
+        assert len(checks) in (3, 4) and checks[-1] == checks[-2], checks  # one check a call once it served

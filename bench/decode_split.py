@@ -85,7 +85,7 @@ def step_pieces(drv: TorchDriver, steps: int) -> dict[str, list[float]]:
             clock.tick("layer keys")
             blocks, head = model.model.blocks(), model.head()
             logits = cm._stack(
-                cfg, blocks, x, (*rope_full, *rope_local), keys, model.model.norm, head, attention.kernel
+                cfg, blocks, x, (*rope_full, *rope_local), keys, model.model.norm, head, attention.kernel, model.reduce
             )
             clock.tick("compiled stack")
             last = int(drv.sample_pass(req, plan, logits, clock.start).tokens[0])

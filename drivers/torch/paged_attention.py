@@ -130,7 +130,7 @@ class PagedAttention:
         if window not in self._families:
             self._families[window] = self._family_tensors(window)
         cache = self.cache
-        return LayerKeys(cache.k[layer], cache.v[layer], self.plan.slots, *self._families[window])
+        return LayerKeys(cache.k_layers[layer], cache.v_layers[layer], self.plan.slots, *self._families[window])
 
     def _family_tensors(self, window: int) -> _FamilyTensors:
         plan = self.plan

@@ -166,13 +166,14 @@ def cmd_dev(ns: argparse.Namespace) -> int:
                 continue
         _report(handle.wait(), folder)
 
-    from host.cli_engines import engine_configs  # the engine, which `wafer build` does not need
+    from host.cli_engines import engine_configs, fresh_configs  # the engine: `wafer build` needs none
     from host.dev_engines import DevEngines
 
     try:
+        configs = engine_configs(ns, _progress)
         with (
             Sandbox(_sandbox_config(ns)) as sandbox,
-            DevEngines.start(engine_configs(ns, _progress), _progress) as engines,
+            DevEngines.start(configs, _progress, fresh_configs(ns, configs)) as engines,
         ):
             dev_loop.watch(folder, lambda changed: once(changed, sandbox, engines), _progress)
     except KeyboardInterrupt:

@@ -28,6 +28,13 @@ def engine_configs(ns: argparse.Namespace, say: Callable[[str], None]) -> list[E
     ]
 
 
+def fresh_configs(ns: argparse.Namespace, configs: list[EngineConfig]) -> list[EngineConfig | None]:
+    """For each of `configs` that names a kept driver, the configuration of a fresh one of the same
+    built-in driver (what `wafer dev` starts if the kept one is lost); None for the others."""
+    fresh = engine_configs(argparse.Namespace(**{**vars(ns), "kept": False}), lambda _: None)
+    return [f if f.driver != c.driver else None for c, f in zip(configs, fresh, strict=True)]
+
+
 def start_engine(ns: argparse.Namespace, say: Callable[[str], None]) -> Engine | ReplicatedEngine:
     """One engine on `--driver`, or replicas when it is given more than once (fresh drivers)."""
     configs = engine_configs(ns, say)

@@ -20,9 +20,14 @@ from host.errors import HostError
 @dataclass(slots=True)
 class _Slot:
     config: EngineConfig
-    label: str
+    name: str  # "replica 1", or "the driver" when there is one
     engine: Engine | None
+    fresh: EngineConfig | None  # a kept driver's: the built-in one to start if it cannot be reached
     generation: int = 1  # one more at every restart: the replicated engine sees a new driver
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.config.driver})"
 
 
 def _current(slot: _Slot) -> tuple[Engine, int] | None:
@@ -33,21 +38,32 @@ class DevEngines:
     """`DevEngines.start(configs, say)`; before each run `for_next_run()` gives the engine to run
     on, or None when no driver could be brought back (`say` has told why)."""
 
-    def __init__(self, configs: Sequence[EngineConfig], engines: Sequence[Engine], say: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        configs: Sequence[EngineConfig],
+        engines: Sequence[Engine],
+        say: Callable[[str], None],
+        fresh: Sequence[EngineConfig | None] = (),
+    ) -> None:
         several = len(configs) > 1
+        fresh = list(fresh) or [None] * len(configs)
         self._slots = [
-            _Slot(config, f"replica {i} ({config.driver})" if several else f"the driver ({config.driver})", engine)
-            for i, (config, engine) in enumerate(zip(configs, engines, strict=True))
+            _Slot(config, f"replica {i}" if several else "the driver", engine, f)
+            for i, (config, engine, f) in enumerate(zip(configs, engines, fresh, strict=True))
         ]
         self._say = say
         sources = [functools.partial(_current, slot) for slot in self._slots]
         self._replicated = ReplicatedEngine(sources) if several else None
 
     @classmethod
-    def start(cls, configs: Sequence[EngineConfig], say: Callable[[str], None]) -> DevEngines:
-        """Start every driver; a failed first start is the caller's error (`HostError`), not retried."""
+    def start(
+        cls, configs: Sequence[EngineConfig], say: Callable[[str], None], fresh: Sequence[EngineConfig | None] = ()
+    ) -> DevEngines:
+        """Start every driver; a failed first start is the caller's error (`HostError`), not retried.
+        `fresh[i]`, where given, is started instead of `configs[i]` (a kept driver's address) once
+        that one is lost and cannot be reached again."""
         engines = [Engine.start(configs[0])] if len(configs) == 1 else start_engines(configs)
-        return cls(configs, engines, say)
+        return cls(configs, engines, say, fresh)
 
     def __enter__(self) -> DevEngines:
         return self
@@ -88,7 +104,12 @@ class DevEngines:
         try:
             slot.engine = Engine.start(slot.config)
         except HostError as exc:
-            self._say(f"{slot.label} did not restart ({exc}); trying again before the next run")
+            if slot.fresh is None:
+                self._say(f"{slot.label} did not restart ({exc}); trying again before the next run")
+                return
+            self._say(f"{slot.label} cannot be reached ({exc}): starting a {slot.fresh.driver} driver instead")
+            slot.config, slot.fresh = slot.fresh, None
+            self._check(slot)
             return
         slot.generation += 1
         self._say(f"{slot.label} restarted")

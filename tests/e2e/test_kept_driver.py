@@ -76,3 +76,20 @@ def test_a_driver_that_cannot_start_says_why(cache: Path, capsys: pytest.Capture
     err = capsys.readouterr().err
     assert "the dummy driver exited with status" in err and "vocab" in err
     assert main(["--cache-dir", str(cache), "driver", "start", "nonesuch"]) == 2
+
+
+def test_dev_engines_fall_back_to_a_fresh_driver_of_the_kept_kind(cache: Path) -> None:
+    """`wafer dev`'s options on a kept dummy driver: its configuration names the kept driver's
+    address, and the fallback a fresh built-in dummy driver with the run's own arguments."""
+    from host.cli import build_parser
+    from host.cli_engines import engine_configs, fresh_configs
+
+    parser, _ = build_parser()
+    argv = ["--cache-dir", str(cache), "dev", "hello", "--driver-arg=--num-pages", "--driver-arg=9"]
+    kept = kept_drivers.start(cache, "dummy", "drivers.dummy")
+    configs = engine_configs(parser.parse_args(argv), lambda _: None)
+    assert [c.driver for c in configs] == [kept.address]
+    fresh = fresh_configs(parser.parse_args(argv), configs)
+    assert fresh[0] is not None and fresh[0].driver == "dummy" and fresh[0].driver_args == ("--num-pages", "9")
+    own = parser.parse_args([*argv, "--fresh-driver"])
+    assert fresh_configs(own, engine_configs(own, lambda _: None)) == [None]  # no kept driver in use: no fallback

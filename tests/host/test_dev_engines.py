@@ -1,6 +1,6 @@
 """`wafer dev`'s engines (host.dev_engines) on real dummy driver processes: a driver killed
-between runs is restarted before the next one, alone or as one replica of two; a driver that
-cannot come back leaves the others serving."""
+between runs is restarted before the next one, alone or as one replica of two; a lost kept
+driver is replaced by a fresh one; a driver that cannot come back leaves the others serving."""
 
 from __future__ import annotations
 
@@ -81,18 +81,53 @@ def test_a_lost_replica_is_restarted_and_both_serve_again() -> None:
         assert (1, 2) in placed  # the restarted driver (generation 2) served
 
 
+def _outside_driver(tmp: str) -> tuple[subprocess.Popen[bytes], str]:
+    """A dummy driver started by the test (as `wafer driver start` keeps one), listening."""
+    address = f"unix:{Path(tmp) / 'd.sock'}"
+    proc = subprocess.Popen([sys.executable, "-m", "drivers.dummy", "--listen", address, *ARGS])
+    deadline = time.monotonic() + 60
+    while not (Path(tmp) / "d.sock").exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    return proc, address
+
+
+def test_a_lost_kept_driver_is_replaced_by_a_fresh_one() -> None:
+    """`wafer dev` on a kept driver (`wafer driver start`): once it is gone and its address cannot
+    be reached, a fresh driver of the same kind is started, and later restarts start fresh ones."""
+    said: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="wafer-dev-") as tmp:
+        kept, address = _outside_driver(tmp)
+        try:
+            with DevEngines.start([EngineConfig(address)], said.append, [EngineConfig("dummy", ARGS)]) as engines:
+                first = engines.for_next_run()
+                assert first is not None
+                kept.kill()
+                kept.wait()
+                second = engines.for_next_run()
+                assert isinstance(second, Engine) and second.config.driver == "dummy"
+                _serves(second)
+                assert said[-2].startswith(f"the driver ({address}) cannot be reached (")
+                assert said[-2].endswith("): starting a dummy driver instead")
+                assert said[-1] == "the driver (dummy) restarted"
+                _kill(second)
+                third = engines.for_next_run()  # the fresh one's own restart
+                assert isinstance(third, Engine) and third is not second
+                _serves(third)
+                assert said[-1] == "the driver (dummy) restarted" and engines.generations == [3]
+        finally:
+            if kept.poll() is None:
+                kept.kill()
+                kept.wait()
+
+
 def test_a_replica_that_cannot_come_back_leaves_the_other_serving() -> None:
     """A driver at an address (started elsewhere) that died cannot be restarted from here: the
     run goes on the replica that is up, and the restart is tried again before the next run."""
     said: list[str] = []
     with tempfile.TemporaryDirectory(prefix="wafer-dev-") as tmp:
-        address = f"unix:{Path(tmp) / 'd.sock'}"
-        outside = subprocess.Popen([sys.executable, "-m", "drivers.dummy", "--listen", address, *ARGS])
+        outside, address = _outside_driver(tmp)
         try:
-            deadline = time.monotonic() + 60
-            while not (Path(tmp) / "d.sock").exists():
-                assert outside.poll() is None and time.monotonic() < deadline
-                time.sleep(0.05)
             configs = [EngineConfig("dummy", ARGS), EngineConfig(address)]
             with DevEngines.start(configs, said.append) as engines:
                 outside.kill()

@@ -14,7 +14,8 @@
 // (w8a8_avx2.inc, the same panels as 8-column vectors), portable (plain C++ over the panels).
 // In the AVX-512 variant up to 6 activation rows run against a panel's 4 column vectors at once
 // (24 accumulators); more rows run in balanced blocks of at most 6 over the panel, held in cache,
-// while the next panel is prefetched.
+// while the next panel is prefetched. Every variant splits the panels between the threads, except
+// for one row, whose weights are cut into even ranges of k-quads (`row_split`).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -74,6 +75,17 @@ void run_panel_portable(const int8_t* xq, int64_t kp, const float* sx, int64_t m
   }
 }
 
+// One row's integer sums over quads [g0, g1) of a panel, signed (see `row_split`).
+void row_part_portable(const int8_t* x, const int8_t* panel, int64_t g0, int64_t g1, int32_t* raw) {
+  std::fill(raw, raw + kPanelCols, 0);
+  for (int64_t g = g0; g < g1; ++g) {
+    const int8_t* wq = panel + g * kQuadBytes;
+    const int32_t x0 = x[4 * g], x1 = x[4 * g + 1], x2 = x[4 * g + 2], x3 = x[4 * g + 3];
+    for (int64_t c = 0; c < kPanelCols; ++c)
+      raw[c] += x0 * wq[4 * c] + x1 * wq[4 * c + 1] + x2 * wq[4 * c + 2] + x3 * wq[4 * c + 3];
+  }
+}
+
 #if WAFER_X86
 
 namespace avx512 {
@@ -101,12 +113,13 @@ __attribute__((target("avx512f,avx512bw"))) float quantize_row(const float* x, i
 // scaled float32 outputs of one panel (its first `cols` columns) for MR activation rows, using
 // NB of the panel's 4 column vectors (starting at `panel`). Prefetches, while it runs: `ahead`,
 // the panel's own bytes kPrefetchBytes ahead; and `next` (if set), `share` cache lines from
-// there, `per_quad` lines per k-quad.
+// there, `per_quad` lines per k-quad. With `raw` (one row) it writes the NB * 16 integer sums as
+// they are (biased by 128 * the column's weight sum) instead.
 template <int MR, int NB>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void panel_rows(
     const uint8_t* xu, int64_t kp, const float* sx, const int8_t* panel, int64_t kq, const int32_t* w_sum,
     const float* ws, int64_t cols, float* y, int64_t ldy, bool ahead, const int8_t* next, int64_t share,
-    int64_t per_quad) {
+    int64_t per_quad, int32_t* raw) {
   __m512i acc[MR][NB];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m)
@@ -135,6 +148,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void panel_rows(
       for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbusd_epi32(acc[m][b], xb, wv[b]);
     }
   }
+  if (raw != nullptr) {
+#pragma GCC unroll 4
+    for (int b = 0; b < NB; ++b) _mm512_storeu_si512(raw + 16 * b, acc[0][b]);
+    return;
+  }
   // Fully unrolled with constant indices, so that the accumulators stay in registers.
 #pragma GCC unroll 4
   for (int b = 0; b < NB; ++b) {
@@ -152,7 +170,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void panel_rows(
 }
 
 using PanelFn = void (*)(const uint8_t*, int64_t, const float*, const int8_t*, int64_t, const int32_t*,
-                         const float*, int64_t, float*, int64_t, bool, const int8_t*, int64_t, int64_t);
+                         const float*, int64_t, float*, int64_t, bool, const int8_t*, int64_t, int64_t, int32_t*);
 
 // 1-6 rows use all 4 column vectors; 7 and 8 rows (not enough registers for 4 vectors) run the
 // panel as two halves of 2 vectors, all rows at once, so the panel still streams once.
@@ -171,7 +189,7 @@ void run_panel(const uint8_t* xu, int64_t kp, const float* sx, int64_t m, const 
     for (int64_t half = 0; half < 2 && 32 * half < cols; ++half) {
       const int64_t h0 = 32 * half;
       panel_for(m)(xu, kp, sx, panel + 128 * half, kq, w_sum + c0 + h0, ws + c0 + h0, std::min<int64_t>(32, cols - h0),
-                   y + c0 + h0, n, true, nullptr, 0, 0);
+                   y + c0 + h0, n, true, nullptr, 0, 0, nullptr);
     }
     return;
   }
@@ -183,9 +201,17 @@ void run_panel(const uint8_t* xu, int64_t kp, const float* sx, int64_t m, const 
   for (int64_t i = 0, b = 0; i < m; ++b) {
     const int64_t rows = (m - i + blocks - b - 1) / (blocks - b);
     panel_for(rows)(xu + i * kp, kp, sx + i, panel, kq, w_sum + c0, ws + c0, cols, y + i * n + c0, n, blocks == 1,
-                    next != nullptr ? next + b * share * 64 : nullptr, share, per_quad);
+                    next != nullptr ? next + b * share * 64 : nullptr, share, per_quad, nullptr);
     i += rows;
   }
+}
+
+// One row's raw sums over quads [g0, g1) of a panel (see `row_split`).
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void row_part(const uint8_t* xu, int64_t kp,
+                                                                      const int8_t* panel, int64_t g0, int64_t g1,
+                                                                      int32_t* raw) {
+  panel_rows<1, 4>(xu + 4 * g0, kp, nullptr, panel + g0 * kQuadBytes, g1 - g0, nullptr, nullptr, 0, nullptr, 0, true,
+                   nullptr, 0, 0, raw);
 }
 
 }  // namespace avx512
@@ -267,6 +293,103 @@ at::Tensor sgemm_path(const std::vector<int8_t>& xq, const std::vector<float>& s
   return acc.to(at::kFloat).mul_(scales);
 }
 
+// All m rows against panel p, in the variant `isa`.
+void run_panel_isa(Isa isa, const int8_t* xq, int64_t kp, const float* sx, int64_t m, const int8_t* w, int64_t kq,
+                   int64_t panels, int64_t p, const int32_t* w_sum, const float* ws, float* y, int64_t n) {
+#if WAFER_X86
+  const auto* xu = reinterpret_cast<const uint8_t*>(xq);
+  switch (isa) {
+    case wafer::kAvx512Vnni:
+      return avx512::run_panel(xu, kp, sx, m, w, kq, panels, p, w_sum, ws, y, n);
+    case wafer::kAvx2Vnni:
+      return avx2_vnni::run_panel(xu, kp, sx, m, w, kq, p, w_sum, ws, y, n);
+    case wafer::kAvx2:
+      return avx2::run_panel(xu, kp, sx, m, w, kq, p, w_sum, ws, y, n);
+    default:
+      break;
+  }
+#endif
+  run_panel_portable(xq, kp, sx, m, w, kq, p, ws, y, n);
+}
+
+// One row's raw integer sums of panel `panel` over its quads [g0, g1), in the variant `isa`.
+void row_part_isa(Isa isa, const int8_t* xq, int64_t kp, const int8_t* panel, int64_t g0, int64_t g1, int32_t* raw) {
+#if WAFER_X86
+  const auto* xu = reinterpret_cast<const uint8_t*>(xq);
+  switch (isa) {
+    case wafer::kAvx512Vnni:
+      return avx512::row_part(xu, kp, panel, g0, g1, raw);
+    case wafer::kAvx2Vnni:
+      return avx2_vnni::row_part(xu, kp, panel, g0, g1, raw);
+    case wafer::kAvx2:
+      return avx2::row_part(xu, kp, panel, g0, g1, raw);
+    default:
+      break;
+  }
+#endif
+  row_part_portable(xq, panel, g0, g1, raw);
+}
+
+// A thread streams at least this many k-quads of one row's weights (64 KiB at 256 bytes a quad).
+constexpr int64_t kMinQuadsPerThread = 256;
+
+// One row (decode at batch 1): the weights' quads, panel after panel as they lie in memory, cut
+// into one even, contiguous range per thread. A split by whole panels leaves a thread idle for a
+// panel's time whenever the panels do not divide evenly (SmolLM2's 576 outputs are 9 panels: 5
+// and 4 on 2 threads), and uses at most one thread a panel. A panel cut between threads is
+// summed in integers by each (`row_part`), and finished here from the exact sum, so the outputs
+// are bit-identical to the panel split's. Returns false (nothing done) where one thread is enough.
+bool row_split(Isa isa, const int8_t* xq, int64_t kp, float sx, const int8_t* w, int64_t kq, int64_t panels,
+               const int32_t* w_sum, const float* ws, float* y, int64_t n) {
+  const int64_t quads = panels * kq;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), quads / kMinQuadsPerThread);
+  if (threads < 2) return false;
+  // Each thread's range begins and ends in at most one cut panel: its integer sums go here.
+  struct Part {
+    int64_t panel = -1;
+    int32_t sums[kPanelCols];
+  };
+  std::vector<Part> parts(static_cast<size_t>(2 * threads));
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t q0 = quads * t / threads, q1 = quads * (t + 1) / threads;
+      for (int64_t q = q0; q < q1;) {
+        const int64_t p = q / kq, g0 = q % kq, g1 = std::min(kq, g0 + (q1 - q));
+        if (g0 == 0 && g1 == kq) {
+          run_panel_isa(isa, xq, kp, &sx, 1, w, kq, panels, p, w_sum, ws, y, n);
+        } else {
+          Part& part = parts[static_cast<size_t>(2 * t + (q == q0 ? 0 : 1))];
+          part.panel = p;
+          row_part_isa(isa, xq, kp, w + p * kq * kQuadBytes, g0, g1, part.sums);
+        }
+        q += g1 - g0;
+      }
+    }
+  });
+  // The cut panels, each finished from its parts' sum as the kernels finish a whole panel. A
+  // panel's parts are consecutive: the ranges run in thread order.
+  const bool biased = isa == wafer::kAvx512Vnni || isa == wafer::kAvx2Vnni;  // q + 128 (see above)
+  for (size_t i = 0; i < parts.size();) {
+    const int64_t p = parts[i].panel;
+    if (p < 0) {
+      ++i;
+      continue;
+    }
+    int32_t total[kPanelCols];
+    std::copy(parts[i].sums, parts[i].sums + kPanelCols, total);
+    for (++i; i < parts.size() && (parts[i].panel == p || parts[i].panel < 0); ++i) {
+      if (parts[i].panel != p) continue;
+      for (int64_t c = 0; c < kPanelCols; ++c) total[c] += parts[i].sums[c];
+    }
+    const int64_t c0 = p * kPanelCols, cols = std::min(kPanelCols, n - c0);
+    for (int64_t c = 0; c < cols; ++c) {
+      const int32_t corr = biased ? w_sum[c0 + c] * 128 : 0;
+      y[c0 + c] = static_cast<float>(total[c] - corr) * (sx * ws[c0 + c]);
+    }
+  }
+  return true;
+}
+
 // `sgemm_from_rows`: with at least this many rows (0: never) the product runs `sgemm_path`.
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
                        const at::Tensor& w_sum, int64_t sgemm_from_rows) {
@@ -301,29 +424,13 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   if (isa == wafer::kAvx512Vnni || isa == wafer::kAvx2Vnni) {
     for (int8_t& v : xq) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80);
   }
-  const auto* xu = reinterpret_cast<const uint8_t*>(xq.data());
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* ws = w_scale.data_ptr<float>();
   const int32_t* sp = w_sum.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
+  if (m == 1 && row_split(isa, xq.data(), kp, sx[0], wp, kq, panels, sp, ws, yp, n)) return y;
   at::parallel_for(0, panels, 4, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      switch (isa) {
-#if WAFER_X86
-        case wafer::kAvx512Vnni:
-          avx512::run_panel(xu, kp, sx.data(), m, wp, kq, panels, p, sp, ws, yp, n);
-          break;
-        case wafer::kAvx2Vnni:
-          avx2_vnni::run_panel(xu, kp, sx.data(), m, wp, kq, p, sp, ws, yp, n);
-          break;
-        case wafer::kAvx2:
-          avx2::run_panel(xu, kp, sx.data(), m, wp, kq, p, sp, ws, yp, n);
-          break;
-#endif
-        default:
-          run_panel_portable(xq.data(), kp, sx.data(), m, wp, kq, p, ws, yp, n);
-      }
-    }
+    for (int64_t p = p0; p < p1; ++p) run_panel_isa(isa, xq.data(), kp, sx.data(), m, wp, kq, panels, p, sp, ws, yp, n);
   });
   return y;
 }

@@ -6,8 +6,8 @@ a variant the CPU lacks is skipped, naming the missing feature.
 
 w8a8 (`w8a8_kernel.cpp`) reads its weights where `pack_vnni` puts them and gives bit-identical
 results to the torch path at every row count (one block of rows, half panels, balanced blocks),
-on odd shapes, so a row's result never depends on its batch, in every variant and on its float32
-matmul path; it refuses weights packed for another shape; torch.compile calls it as an opaque op;
+on odd shapes, so a row's result never depends on its batch, in every variant, with one row's
+weights cut between threads mid-panel, and on its float32 matmul path; it refuses weights packed for another shape; torch.compile calls it as an opaque op;
 where it cannot be built, w8a8 says why and keeps the torch path.
 
 Decode attention (`decode_attention.cpp`, vectorized and portable) equals the reference attention
@@ -115,6 +115,32 @@ def test_kernel_equals_torch_path_exactly(isa: dict[str, str], n: int, k: int) -
     for m in (*range(1, 10), 12, 13, 16, 31, 32, 33, 64, 65):
         assert torch.equal(lin(x[:m]), plain(x[:m])), (isa["w8a8"], n, k, m)
         assert torch.equal(plain(x[:m]), w8a8_reference(x[:m], plain.weight_int8, plain.scale))
+
+
+@pytest.fixture
+def threads() -> Iterator[Callable[[int], None]]:
+    """Sets torch's thread count for a test (the suite runs on one), restored after it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k"), [(64, 2100), (130, 1536), (576, 576), (960, 577), (1000, 99)])
+def test_one_row_split_over_threads_equals_torch_path_exactly(
+    isa: dict[str, str], threads: Callable[[int], None], n: int, k: int
+) -> None:
+    # One row's weights are cut into even ranges of k-quads, one a thread: a range may begin and
+    # end inside a panel (64 outputs: 1 panel), cut a panel between several threads (3 panels of
+    # 384 quads on 2, 3 and 5 threads), or hold whole panels only; too few quads (1000 x 99: 400)
+    # for more than one thread keep the panel split.
+    x, lin = _linear(n, k, seed=n * k, rows=3)
+    plain = _torch_path(lin, k)
+    x[1, : k // 2] *= 1000
+    for t in (1, 2, 3, 5):
+        threads(t)
+        for row in range(3):
+            assert torch.equal(lin(x[row : row + 1]), plain(x[row : row + 1])), (isa["w8a8"], n, k, t, row)
 
 
 @needs_kernel

@@ -7,8 +7,9 @@ a variant the CPU lacks is skipped, naming the missing feature.
 w8a8 (`w8a8_kernel.cpp`) reads its weights where `pack_vnni` puts them and gives bit-identical
 results to the torch path at every row count (one block of rows, half panels, balanced blocks),
 on odd shapes, so a row's result never depends on its batch, in every variant, with one row's
-weights cut between threads mid-panel, and on its float32 matmul path; it refuses weights packed for another shape; torch.compile calls it as an opaque op;
-where it cannot be built, w8a8 says why and keeps the torch path.
+weights cut between threads mid-panel, and on its float32 matmul path; it refuses weights packed
+for another shape; torch.compile calls it as an opaque op; where it cannot be built, w8a8 says
+why and keeps the torch path.
 
 Decode attention (`decode_attention.cpp`, vectorized and portable) equals the reference attention
 to float32 rounding at every head size and grouping, over keys with holes, repeats and padding,

@@ -3,6 +3,7 @@
 // keys' rows k_cache[key_index[b, j], g] where mask[b, j] (never the padding), so nothing is
 // gathered into a padded copy first; a request whose row is `empty` attends to nothing and gets
 // zeros. The G = H / Hkv query heads of a KV head share each key and value row as it is read.
+// Key lists longer than kPieceKeys run as pieces over the threads, merged in order (`run_tasks`).
 //
 // The cache may hold float32, float16 or bfloat16 (`--kv-dtype`); rows are widened to float32 as
 // they are read, and all arithmetic is float32.
@@ -48,6 +49,10 @@ struct Task {
   float scale;
   float* scores;  // [G][n] scratch
   float* out;     // [G][D]
+  // Null: `out` is the attention output. Else the task is one piece of a longer key list
+  // (`run_tasks`): `out` is left unnormalized (sum_j e_j v_j) and each head's score maximum and
+  // sum of e_j = exp(score_j - maximum) go to stats[2 i] and stats[2 i + 1].
+  float* stats;
 };
 
 template <typename T>
@@ -70,6 +75,11 @@ void attend_scalar(const Task<T>& t) {
     for (int64_t j = 0; j < t.n; ++j) {
       const T* v = t.v + t.rows[j];
       for (int64_t d = 0; d < t.dim; ++d) o[d] += s[j] * static_cast<float>(v[d]);
+    }
+    if (t.stats != nullptr) {
+      t.stats[2 * i] = top;
+      t.stats[2 * i + 1] = sum;
+      continue;
     }
     for (int64_t d = 0; d < t.dim; ++d) o[d] /= sum;
   }
@@ -192,7 +202,12 @@ __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl"))) void attend_avx512
       _mm512_mask_storeu_ps(s + j, m, e);
       vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
+    const float total = _mm512_reduce_add_ps(vsum);
+    if (t.stats != nullptr) {
+      t.stats[2 * i] = top;
+      t.stats[2 * i + 1] = total;
+    }
+    const __m512 inv = _mm512_set1_ps(t.stats != nullptr ? 1.0f : 1.0f / total);
     // Output: the weighted sum of the value rows, even and odd keys in two sets of sums, so that
     // consecutive keys do not wait on each other's additions.
     __m512 o[2][NC];
@@ -341,7 +356,11 @@ __attribute__((target("avx2,fma,f16c"))) void attend_avx2(const Task<T>& t) {
       _mm256_store_ps(tail, e);
       for (int64_t r = j; r < n; ++r) sum += (s[r] = tail[r - j]);
     }
-    const __m256 inv = _mm256_set1_ps(1.0f / sum);
+    if (t.stats != nullptr) {
+      t.stats[2 * i] = top;
+      t.stats[2 * i + 1] = sum;
+    }
+    const __m256 inv = _mm256_set1_ps(t.stats != nullptr ? 1.0f : 1.0f / sum);
     // Output: the weighted sum of the value rows, 8 vectors at a time.
     float* out = t.out + i * dim;
     for (int c0 = 0; c0 < NC; c0 += 8) {
@@ -423,26 +442,79 @@ Kernel<T> kernel_for(wafer::Isa isa, int64_t dim) {
   return attend_scalar<T>;
 }
 
-// All (request, KV head) tasks over a cache of element type T.
+// A (request, KV head) over more keys than this runs as pieces of at most this many keys, each a
+// task of its own, merged in order (`merge_pieces`). So one request's attention spreads over
+// every thread (SmolLM2 has 3 KV heads: one task each, 2 and 1 on two threads, at most 3 of
+// any count), and the cut depends only on the request's own key count: its result is the same
+// alone or in any batch, on any number of threads.
+constexpr int64_t kPieceKeys = 256;
+
+// The output of one (request, KV head) from its pieces' unnormalized outputs `part` [P][G][D]
+// and stats [P][G][2]: each piece's sums rescaled to the largest maximum, in piece order.
+void merge_pieces(const float* part, const float* stats, int64_t pieces, int64_t heads, int64_t dim, float* out) {
+  for (int64_t i = 0; i < heads; ++i) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < pieces; ++p) top = std::max(top, stats[(p * heads + i) * 2]);
+    float sum = 0.0f;
+    float* o = out + i * dim;
+    std::fill(o, o + dim, 0.0f);
+    for (int64_t p = 0; p < pieces; ++p) {
+      const float w = std::exp(stats[(p * heads + i) * 2] - top);
+      sum += w * stats[(p * heads + i) * 2 + 1];
+      const float* src = part + (p * heads + i) * dim;
+      for (int64_t d = 0; d < dim; ++d) o[d] += w * src[d];
+    }
+    for (int64_t d = 0; d < dim; ++d) o[d] /= sum;
+  }
+}
+
+// All (request, KV head) tasks over a cache of element type T: each request's valid keys, then
+// every (request, KV head, piece of at most kPieceKeys keys) over the threads, then the merges.
 template <typename T>
 void run_tasks(const float* qp, const T* kp, const T* vp, float* op, const int64_t* idx, const bool* mk,
                const bool* em, int64_t b, int64_t h, int64_t hkv, int64_t d, int64_t n, float scale, bool portable) {
   const int64_t groups = h / hkv;
   const Kernel<T> kernel = kernel_for<T>(portable ? wafer::kPortable : wafer::pick(kLevels), d);
-  at::parallel_for(0, b * hkv, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<int64_t> valid(static_cast<size_t>(n));
-    std::vector<float> scores(static_cast<size_t>(groups * n));
+  std::vector<int64_t> rows(static_cast<size_t>(b * n));
+  std::vector<int64_t> count(static_cast<size_t>(b), 0);
+  for (int64_t r = 0; r < b; ++r) {
+    if (em[r]) continue;
+    for (int64_t j = 0; j < n; ++j) {
+      if (mk[r * n + j]) rows[r * n + count[r]++] = idx[r * n + j] * hkv * d;
+    }
+  }
+  // The tasks in (request, KV head, piece) order; `first[r * hkv + g]`: the first of a (r, g).
+  std::vector<int64_t> first(static_cast<size_t>(b * hkv + 1), 0);
+  for (int64_t task = 0; task < b * hkv; ++task) {
+    first[task + 1] = first[task] + (count[task / hkv] + kPieceKeys - 1) / kPieceKeys;
+  }
+  const int64_t tasks = first[b * hkv];
+  // The pieces of split (r, g)s leave their outputs and stats here, at their task's place.
+  const bool split = std::any_of(count.begin(), count.end(), [](int64_t c) { return c > kPieceKeys; });
+  std::vector<float> part(split ? static_cast<size_t>(tasks * groups * d) : 0);
+  std::vector<float> stats(split ? static_cast<size_t>(tasks * groups * 2) : 0);
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores(static_cast<size_t>(groups * std::min(n, kPieceKeys)));
+    int64_t rg = std::upper_bound(first.begin(), first.end(), t0) - first.begin() - 1;
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t r = task / hkv, g = task % hkv;
-      if (em[r]) continue;
-      int64_t count = 0;
-      for (int64_t j = 0; j < n; ++j) {
-        if (mk[r * n + j]) valid[count++] = idx[r * n + j] * hkv * d;
-      }
-      if (count == 0) continue;
-      const Task<T> t{qp + (r * h + g * groups) * d, valid.data(), count, kp + g * d, vp + g * d, groups, d,
-                      scale, scores.data(), op + (r * h + g * groups) * d};
-      kernel(t);
+      while (first[rg + 1] <= task) ++rg;
+      const int64_t r = rg / hkv, g = rg % hkv, pieces = first[rg + 1] - first[rg], p = task - first[rg];
+      const int64_t j0 = p * kPieceKeys, len = std::min(kPieceKeys, count[r] - j0);
+      const float* q = qp + (r * h + g * groups) * d;
+      float* out = pieces == 1 ? op + (r * h + g * groups) * d : part.data() + task * groups * d;
+      float* st = pieces == 1 ? nullptr : stats.data() + task * groups * 2;
+      kernel(Task<T>{q, rows.data() + r * n + j0, len, kp + g * d, vp + g * d, groups, d, scale, scores.data(), out,
+                     st});
+    }
+  });
+  if (!split) return;
+  at::parallel_for(0, b * hkv, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t rg = g0; rg < g1; ++rg) {
+      const int64_t pieces = first[rg + 1] - first[rg];
+      if (pieces < 2) continue;
+      const int64_t r = rg / hkv, g = rg % hkv;
+      merge_pieces(part.data() + first[rg] * groups * d, stats.data() + first[rg] * groups * 2, pieces, groups, d,
+                   op + (r * h + g * groups) * d);
     }
   });
 }

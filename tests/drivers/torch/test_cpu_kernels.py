@@ -364,6 +364,31 @@ def test_decode_attention_equals_reference(
 
 @needs_kernel
 @pytest.mark.parametrize("op", ATTENTION_OPS)
+@pytest.mark.parametrize(("h", "hkv", "d"), [(9, 3, 64), (4, 2, 20)])
+def test_decode_attention_over_pieces_is_the_same_alone_in_a_batch_and_on_any_threads(
+    isa: dict[str, str], threads: Callable[[int], None], op: str, h: int, hkv: int, d: int
+) -> None:
+    # More than 256 keys run as pieces of 256 over the threads, merged in order: 256 is one piece,
+    # 257 two (the second of one key), 600 three; results equal the reference to float32 rounding
+    # and are bit-identical alone, in a batch and on 1, 2 or 3 threads.
+    valid = [600, 0, 256, 257, 30, 1100]
+    args = _attention_inputs(h, hkv, d, valid, seed=d, spread=3.0)
+    attend = getattr(torch.ops.wafer, op)
+    want = _reference(*args, d**-0.5)
+    q, k_cache, v_cache, key_index, mask, empty = args
+    for t in (1, 2, 3):
+        threads(t)
+        got = attend(*args, d**-0.5)
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+        for r in range(len(valid)):
+            alone = attend(
+                q[r : r + 1], k_cache, v_cache, key_index[r : r + 1], mask[r : r + 1], empty[r : r + 1], d**-0.5
+            )
+            assert torch.equal(alone[0], got[r]), (isa["decode_attention"], t, r)
+
+
+@needs_kernel
+@pytest.mark.parametrize("op", ATTENTION_OPS)
 def test_decode_attention_is_as_accurate_as_the_reference(isa: dict[str, str], op: str) -> None:
     # Large scores: exp underflows for all but a few keys, and a score's float32 rounding moves its
     # weight visibly; tiny scores: nearly uniform weights. Both against float64 attention: the

@@ -87,6 +87,9 @@ class Handshake(Message):
     max_tokens_per_pass: int = scalar_field("int", 0, "u32")
     max_mask_bytes: int = scalar_field("int", 0, "u64")
     max_probe_k: int = scalar_field("int", 0, "u32")
+    # The largest chunk of one request's fill the driver prefers in a pass (0: none). A long
+    # prompt in chunks attends to fewer keys per query on a CPU (protocol 6).
+    max_fill_chunk_tokens: int = scalar_field("int", 0, "u32")
     capabilities: list[str] = scalar_field("strs")
     tokenizer_kind: str = scalar_field("str", "bytes")  # "bytes" | "huggingface"
     tokenizer_data: str = scalar_field("str", "")  # tokenizer.json text for "huggingface"

@@ -22,6 +22,12 @@ def build_parser(listen_required: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--max-context", type=int, default=defaults.max_context)
     parser.add_argument("--max-requests-per-pass", type=int, default=defaults.max_requests_per_pass)
     parser.add_argument("--max-tokens-per-pass", type=int, default=defaults.max_tokens_per_pass)
+    parser.add_argument(
+        "--max-fill-chunk-tokens",
+        type=int,
+        default=defaults.max_fill_chunk_tokens,
+        help="the largest chunk of one prompt per pass the handshake asks the host for (0: none)",
+    )
     parser.add_argument("--pass-latency-ms", type=float, default=0.0, help="simulated time per pass")
     parser.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
     parser.add_argument(
@@ -58,6 +64,7 @@ def _config(args: argparse.Namespace) -> DummyConfig:
         max_context=args.max_context,
         max_requests_per_pass=args.max_requests_per_pass,
         max_tokens_per_pass=args.max_tokens_per_pass,
+        max_fill_chunk_tokens=args.max_fill_chunk_tokens,
         pass_latency_ms=args.pass_latency_ms,
         seed=args.seed,
         deferred_tokens=args.deferred_tokens,

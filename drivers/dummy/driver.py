@@ -54,6 +54,7 @@ class DummyConfig:
     max_tokens_per_pass: int = 32768
     max_mask_bytes: int = 64 * 1024 * 1024
     max_probe_k: int = 20
+    max_fill_chunk_tokens: int = 0  # the fill chunk the handshake prefers (0: none), as the torch driver's
     pass_latency_ms: float = 0.0
     seed: int = 0
     deferred_tokens: bool = True  # advertise the capability (`drivers.serve` implements it)
@@ -106,6 +107,7 @@ class DummyDriver:
             max_tokens_per_pass=c.max_tokens_per_pass,
             max_mask_bytes=c.max_mask_bytes,
             max_probe_k=c.max_probe_k,
+            max_fill_chunk_tokens=c.max_fill_chunk_tokens,
             capabilities=["attention_mask", "logit_mask", "probes", "adapters", "copy"]
             + ([DEFERRED_TOKENS] if c.deferred_tokens else []),
             tokenizer_kind="bytes",

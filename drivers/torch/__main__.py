@@ -58,6 +58,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-pages", type=int, default=d.num_pages, help="used when the host asks for 0")
     parser.add_argument("--max-requests-per-pass", type=int, default=d.max_requests_per_pass)
     parser.add_argument("--max-tokens-per-pass", type=int, default=d.max_tokens_per_pass)
+    parser.add_argument(
+        "--max-fill-chunk-tokens",
+        type=int,
+        default=d.max_fill_chunk_tokens,
+        help="the largest chunk of one prompt per pass to ask the host for (-1: 512 on the CPU, none on CUDA; 0: none)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     parser.add_argument(
         "--cpu-isa",
@@ -95,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         num_pages=args.num_pages,
         max_requests_per_pass=args.max_requests_per_pass,
         max_tokens_per_pass=args.max_tokens_per_pass,
+        max_fill_chunk_tokens=args.max_fill_chunk_tokens,
         seed=args.seed,
         weights=args.weights,
         smooth=not args.no_smooth,

@@ -35,7 +35,8 @@ class EngineConfig:
     off), at most `max_loaded_adapters` loaded at once.
     `max_run_page_fraction`: the most of the page pool one run's contexts may hold;
     `max_group_page_fraction`: the most the runs of one group (`set_run_group`) may hold.
-    `max_fill_chunk_tokens`: the largest chunk of a long fill in one pass (0: as the pass allows).
+    `max_fill_chunk_tokens`: the largest chunk of a long fill in one pass (0: the driver's
+    preference from its handshake, e.g. 512 for the torch driver on the CPU; else as the pass allows).
     `max_decode_steps`: the most steps of a multi-step request (host-side generation runs that
     many per pass while passes are short; 1 turns multi-step off).
     `startup_timeout_s`: how long the driver's handshake is waited for.

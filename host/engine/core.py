@@ -74,7 +74,7 @@ class EngineCore:
             max_tokens_per_pass=h.max_tokens_per_pass,
             max_mask_bytes=h.max_mask_bytes,
             vocab_size=h.vocab_size,
-            max_fill_chunk_tokens=config.max_fill_chunk_tokens,
+            max_fill_chunk_tokens=config.max_fill_chunk_tokens or h.max_fill_chunk_tokens,
         )
         self._scheduler = Scheduler(limits, h.page_size)
         self._tickets = itertools.count(1)

@@ -100,6 +100,7 @@ def samples() -> dict[str, Message]:
             max_tokens_per_pass=1024,
             max_mask_bytes=4096,
             max_probe_k=20,
+            max_fill_chunk_tokens=512,
             capabilities=["logit_mask", "copy"],
             tokenizer_kind="bytes",
             chat_template="{{ messages }}",

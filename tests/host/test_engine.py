@@ -115,6 +115,19 @@ def test_long_fill_is_chunked_under_the_driver_limit() -> None:
         assert e.context_length(1, ctx) == 300
 
 
+def test_a_long_fill_is_cut_at_the_drivers_preferred_chunk_unless_the_host_sets_its_own() -> None:
+    # The handshake's max_fill_chunk_tokens (the torch driver: 512 on the CPU) cuts a fill into
+    # passes of at most that many tokens; the engine's own setting, where given, wins.
+    for host_chunk, want_forwards in ((0, 5), (100, 3)):
+        args = ["--max-fill-chunk-tokens", "64", "--page-size", "8"]
+        with Engine.start(EngineConfig("loopback", args, max_fill_chunk_tokens=host_chunk)) as e:
+            ctx = e.create_context(1)
+            before = int(e.driver_health()["forwards"])
+            fill(e, 1, ctx, [80] * 300)
+            assert int(e.driver_health()["forwards"]) - before == want_forwards, host_chunk
+            assert e.context_length(1, ctx) == 300
+
+
 def test_sixty_four_concurrent_runs_complete(engine: Engine) -> None:
     num_runs, num_tokens = 64, 24
     outputs: dict[int, list[int]] = {}

@@ -1,7 +1,8 @@
 """Chunked prefill equals single-pass prefill (fp32, 1e-3) for full attention and for the
 sliding-window family (windows 4 and 8, chunks of 8, prompts longer than the window, continuation
 chunks whose cache already holds more keys than the window), with and without user masks and
-attention sinks. Each family's mask must be built for the keys its cache returns."""
+attention sinks. Each family's mask must be built for the keys its cache returns. On the CPU the
+handshake asks the host for fills in chunks of 512 tokens (settable, or none)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from bridge_schema.messages import Hello
 from drivers.torch.checkpoint import Checkpoint
+from drivers.torch.driver import CPU_FILL_CHUNK, DriverOptions, TorchDriver
 from tests.drivers.torch.helpers import (
     brle,
     chunked_logits,
@@ -74,3 +77,11 @@ def test_sinks_chunked_equals_single_pass(tmp_path: Path, window: int) -> None:
     torch.testing.assert_close(chunked, single, atol=1e-3, rtol=0)
     no_sinks = _single(_ckpt(tmp_path / "plain", f"window{window}"), toks, 4)
     assert (single[window + 2 :] - no_sinks[window + 2 :]).abs().max() > 1e-2  # sinks are seen
+
+
+@pytest.mark.parametrize(("chosen", "want"), [(-1, CPU_FILL_CHUNK), (0, 0), (100, 100)])
+def test_cpu_handshake_asks_for_fills_in_chunks(tmp_path: Path, chosen: int, want: int) -> None:
+    # -1 (the default): 512 on the CPU, where a long prompt in chunks attends to fewer keys.
+    assert CPU_FILL_CHUNK == 512
+    drv = TorchDriver(_ckpt(tmp_path, "full"), DriverOptions(num_pages=8, max_fill_chunk_tokens=chosen))
+    assert drv.handshake(Hello()).max_fill_chunk_tokens == want

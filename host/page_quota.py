@@ -24,6 +24,11 @@ class PageQuota:
                 raise InvalidRequest(f"{name} must be in (0, 1], got {value}")
 
     @property
+    def run_pages(self) -> int:
+        """The most pages one run may hold: its own share, within its group's."""
+        return int(self.num_pages * min(self.run_fraction, self.group_fraction))
+
+    @property
     def is_unlimited(self) -> bool:
         return self.run_fraction >= 1 and self.group_fraction >= 1
 

@@ -59,11 +59,14 @@ class EngineCore:
         config.check_resolved(h.page_size)
         self.handshake = h
         self.tokenizer: Tokenizer = tokenizer_from_handshake(h)
+        quota = PageQuota(h.num_pages, config.max_run_page_fraction, config.max_group_page_fraction)
         self.model = ModelInfo(
             name=h.model_name,
             vocab_size=h.vocab_size,
             page_size=h.page_size,
-            max_context=h.max_context,
+            # The longest context one run can hold here: a longer prompt is refused up front (the
+            # OpenAI API's 400), not failed mid-run by the page quota.
+            max_context=min(h.max_context, quota.run_pages * h.page_size),
             stop_token_ids=tuple(int(t) for t in h.stop_token_ids),
             control_token_ids=tuple(int(t) for t in h.control_token_ids),
         )
@@ -78,7 +81,6 @@ class EngineCore:
         )
         self._scheduler = Scheduler(limits, h.page_size)
         self._tickets = itertools.count(1)
-        quota = PageQuota(h.num_pages, config.max_run_page_fraction, config.max_group_page_fraction)
         prefix = PrefixReuse(pages, cache) if cache is not None else NoPrefixReuse()
         self.contexts = Contexts(pages, prefix, self._scheduler, quota)
         self.pages = pages

@@ -3,6 +3,7 @@ need a differently configured daemon (checked on the middleware itself)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -13,7 +14,7 @@ from host.daemon.config import load_config
 from host.daemon.metrics import Histogram
 from host.daemon.middleware import EdgeMiddleware
 from host.engine import Engine
-from tests.host.daemon.conftest import Server
+from tests.host.daemon.conftest import Server, _free_port, serving
 
 
 def test_health(server: Server) -> None:
@@ -120,3 +121,28 @@ def test_an_exhausted_page_pool_degrades_health_and_refuses_new_runs(
         assert chat.status_code == 503 and "KV pages are held by running runs" in chat.json()["error"]["message"]
     monkeypatch.undo()
     assert server.wait_ready()["status"] == "ok"
+
+
+def test_a_prompt_past_what_one_run_may_hold_is_a_400_not_a_failed_run(
+    server: Server, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # 16 pages of 16 tokens and run_max_pages_fraction 0.5: one run holds at most 128 tokens, so
+    # the API's context length is 128, not the driver's 512. A longer prompt was accepted and
+    # then failed mid-run with a 502 (the page quota); now it is refused up front.
+    config = dataclasses.replace(
+        server.config,
+        driver_args=(*server.config.driver_args, "--num-pages", "16", "--page-size", "16"),
+        port=_free_port(),
+        data_dir=tmp_path_factory.mktemp("small-pool-data"),
+    )
+    with serving(config, server.echo_wasm) as srv:
+        engine = srv.wait_ready()["engine"]
+        assert isinstance(engine, dict) and engine["max_context"] == 128
+        with srv.http() as http:
+            body = {"model": "dummy", "prompt": [65] * 200, "max_tokens": 4}
+            response = http.post("/v1/completions", json=body)
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["code"] == "context_length_exceeded" and "128" in error["message"]
+            body["prompt"] = [65] * 100
+            assert http.post("/v1/completions", json=body).status_code == 200

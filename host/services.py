@@ -26,6 +26,15 @@ class ModelInfo:
     max_context: int
     stop_token_ids: tuple[int, ...]
     control_token_ids: tuple[int, ...]
+    # The most tokens one run's KV pages may hold (its share of the pool); 0: no such limit. A
+    # context whose pages are all kept (a plain chat) is that long at most; one that releases
+    # pages (a sliding window) may run to max_context.
+    run_max_tokens: int = 0
+
+    @property
+    def kept_context(self) -> int:
+        """The longest context that keeps every page: max_context, or less under the run's share."""
+        return min(self.max_context, self.run_max_tokens) if self.run_max_tokens else self.max_context
 
 
 @dataclass(slots=True)

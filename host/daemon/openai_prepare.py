@@ -96,7 +96,7 @@ def prepare_chat(
     except HostError as exc:
         raise BadRequest(f"the messages cannot be rendered: {exc}", param="messages") from None
     limit = req.max_completion_tokens or req.max_tokens
-    max_tokens = _fit_context(len(prompt), limit, model.max_context, "messages")
+    max_tokens = _fit_context(len(prompt), limit, model.kept_context, "messages")
     top = req.top_logprobs or 0
     # The rendered prompt as token ids: the chat inferlet need not render and tokenize it again.
     job = _job(req, [{"tokens": prompt}], len(prompt), max_tokens, bool(req.logprobs), top)
@@ -131,7 +131,7 @@ def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Toke
             raise BadRequest("the prompt is empty", param="prompt")
         counts.append(len(tokens))
     limit = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-    max_tokens = _fit_context(max(counts), limit, model.max_context, "prompt")
+    max_tokens = _fit_context(max(counts), limit, model.kept_context, "prompt")
     logprobs = req.logprobs is not None
     job = _job(req, prompts, sum(counts), max_tokens, logprobs, req.logprobs or 0)
     if not req.echo:

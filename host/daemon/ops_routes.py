@@ -38,6 +38,7 @@ def _health(daemon: Daemon) -> tuple[int, dict[str, Any]]:
             "model": engine.model.name,
             "driver_info": dict(engine.handshake.driver_info),
             "max_context": engine.model.max_context,
+            "max_kept_context": engine.model.kept_context,  # what one run's pages hold: the API's limit
             "free_pages": engine.num_free_pages,
             "available_pages": engine.num_available_pages,
             "num_pages": engine.num_pages,

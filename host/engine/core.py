@@ -64,11 +64,11 @@ class EngineCore:
             name=h.model_name,
             vocab_size=h.vocab_size,
             page_size=h.page_size,
-            # The longest context one run can hold here: a longer prompt is refused up front (the
-            # OpenAI API's 400), not failed mid-run by the page quota.
-            max_context=min(h.max_context, quota.run_pages * h.page_size),
+            max_context=h.max_context,
             stop_token_ids=tuple(int(t) for t in h.stop_token_ids),
             control_token_ids=tuple(int(t) for t in h.control_token_ids),
+            # A longer prompt is refused up front by the OpenAI API, not failed mid-run.
+            run_max_tokens=quota.run_pages * h.page_size,
         )
         cache = PrefixCache() if config.prefix_match_unit else None
         pages = PageTable(h.num_pages, h.page_size, cache)

@@ -137,7 +137,7 @@ def test_a_prompt_past_what_one_run_may_hold_is_a_400_not_a_failed_run(
     )
     with serving(config, server.echo_wasm) as srv:
         engine = srv.wait_ready()["engine"]
-        assert isinstance(engine, dict) and engine["max_context"] == 128
+        assert isinstance(engine, dict) and engine["max_context"] == 512 and engine["max_kept_context"] == 128
         with srv.http() as http:
             body = {"model": "dummy", "prompt": [65] * 200, "max_tokens": 4}
             response = http.post("/v1/completions", json=body)

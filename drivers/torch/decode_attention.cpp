@@ -468,11 +468,13 @@ void merge_pieces(const float* part, const float* stats, int64_t pieces, int64_t
   }
 }
 
-// All (request, KV head) tasks over a cache of element type T: each request's valid keys, then
+// All (request, KV head) tasks over a cache of element type T: each request's valid keys (each
+// checked to lie in the cache's `slots`), then
 // every (request, KV head, piece of at most kPieceKeys keys) over the threads, then the merges.
 template <typename T>
 void run_tasks(const float* qp, const T* kp, const T* vp, float* op, const int64_t* idx, const bool* mk,
-               const bool* em, int64_t b, int64_t h, int64_t hkv, int64_t d, int64_t n, float scale, bool portable) {
+               const bool* em, int64_t b, int64_t h, int64_t hkv, int64_t d, int64_t n, int64_t slots, float scale,
+               bool portable) {
   const int64_t groups = h / hkv;
   const Kernel<T> kernel = kernel_for<T>(portable ? wafer::kPortable : wafer::pick(kLevels), d);
   std::vector<int64_t> rows(static_cast<size_t>(b * n));
@@ -480,7 +482,11 @@ void run_tasks(const float* qp, const T* kp, const T* vp, float* op, const int64
   for (int64_t r = 0; r < b; ++r) {
     if (em[r]) continue;
     for (int64_t j = 0; j < n; ++j) {
-      if (mk[r * n + j]) rows[r * n + count[r]++] = idx[r * n + j] * hkv * d;
+      if (!mk[r * n + j]) continue;
+      // Every key a request reads is checked before any is read: a bad slot is an error, not a fault.
+      TORCH_CHECK(idx[r * n + j] >= 0 && idx[r * n + j] < slots, "key_index: slot ", idx[r * n + j], " of request ",
+                  r, " outside the cache's ", slots, " slots");
+      rows[r * n + count[r]++] = idx[r * n + j] * hkv * d;
     }
   }
   // The tasks in (request, KV head, piece) order; `first[r * hkv + g]`: the first of a (r, g).
@@ -541,25 +547,18 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   const int64_t* idx = ic.data_ptr<int64_t>();
   const bool* mk = mc.data_ptr<bool>();
   const bool* em = ec.data_ptr<bool>();
-  // Every key a request reads is checked before any is read: a bad slot is an error, not a fault.
-  for (int64_t r = 0; r < b; ++r) {
-    if (em[r]) continue;
-    for (int64_t j = 0; j < n; ++j) {
-      TORCH_CHECK(!mk[r * n + j] || (idx[r * n + j] >= 0 && idx[r * n + j] < slots), "key_index: slot ",
-                  idx[r * n + j], " of request ", r, " outside the cache's ", slots, " slots");
-    }
-  }
   const float* qp = qc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   if (kv == at::kFloat) {
-    run_tasks(qp, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), op, idx, mk, em, b, h, hkv, d, n, sc, portable);
-  } else if (kv == at::kHalf) {
-    run_tasks(qp, k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), op, idx, mk, em, b, h, hkv, d, n, sc,
+    run_tasks(qp, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), op, idx, mk, em, b, h, hkv, d, n, slots, sc,
               portable);
+  } else if (kv == at::kHalf) {
+    run_tasks(qp, k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), op, idx, mk, em, b, h, hkv, d, n, slots,
+              sc, portable);
   } else {
     run_tasks(qp, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), op, idx, mk, em, b, h, hkv, d, n,
-              sc, portable);
+              slots, sc, portable);
   }
   return out;
 }

@@ -56,26 +56,7 @@ float quantize_row_portable(const float* x, int64_t k, int8_t* out) {
   return sx;
 }
 
-// The portable variant: all m rows (signed int8) against panel p.
-void run_panel_portable(const int8_t* xq, int64_t kp, const float* sx, int64_t m, const int8_t* w, int64_t kq,
-                        int64_t p, const float* ws, float* y, int64_t n) {
-  const int64_t c0 = p * kPanelCols, cols = std::min(kPanelCols, n - c0);
-  const int8_t* panel = w + p * kq * kQuadBytes;
-  int32_t acc[kPanelCols];
-  for (int64_t i = 0; i < m; ++i) {
-    std::fill(acc, acc + kPanelCols, 0);
-    const int8_t* x = xq + i * kp;
-    for (int64_t g = 0; g < kq; ++g) {
-      const int8_t* wq = panel + g * kQuadBytes;
-      const int32_t x0 = x[4 * g], x1 = x[4 * g + 1], x2 = x[4 * g + 2], x3 = x[4 * g + 3];
-      for (int64_t c = 0; c < kPanelCols; ++c)
-        acc[c] += x0 * wq[4 * c] + x1 * wq[4 * c + 1] + x2 * wq[4 * c + 2] + x3 * wq[4 * c + 3];
-    }
-    for (int64_t c = 0; c < cols; ++c) y[i * n + c0 + c] = static_cast<float>(acc[c]) * (sx[i] * ws[c0 + c]);
-  }
-}
-
-// One row's integer sums over quads [g0, g1) of a panel, signed (see `row_split`).
+// One row's integer sums over quads [g0, g1) of a panel, signed (`run_panel_portable`, `row_split`).
 void row_part_portable(const int8_t* x, const int8_t* panel, int64_t g0, int64_t g1, int32_t* raw) {
   std::fill(raw, raw + kPanelCols, 0);
   for (int64_t g = g0; g < g1; ++g) {
@@ -83,6 +64,17 @@ void row_part_portable(const int8_t* x, const int8_t* panel, int64_t g0, int64_t
     const int32_t x0 = x[4 * g], x1 = x[4 * g + 1], x2 = x[4 * g + 2], x3 = x[4 * g + 3];
     for (int64_t c = 0; c < kPanelCols; ++c)
       raw[c] += x0 * wq[4 * c] + x1 * wq[4 * c + 1] + x2 * wq[4 * c + 2] + x3 * wq[4 * c + 3];
+  }
+}
+
+// The portable variant: all m rows (signed int8) against panel p.
+void run_panel_portable(const int8_t* xq, int64_t kp, const float* sx, int64_t m, const int8_t* w, int64_t kq,
+                        int64_t p, const float* ws, float* y, int64_t n) {
+  const int64_t c0 = p * kPanelCols, cols = std::min(kPanelCols, n - c0);
+  int32_t acc[kPanelCols];
+  for (int64_t i = 0; i < m; ++i) {
+    row_part_portable(xq + i * kp, w + p * kq * kQuadBytes, 0, kq, acc);
+    for (int64_t c = 0; c < cols; ++c) y[i * n + c0 + c] = static_cast<float>(acc[c]) * (sx[i] * ws[c0 + c]);
   }
 }
 

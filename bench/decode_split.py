@@ -1,6 +1,6 @@
 """Where a batch-1 decode step of the torch driver goes: the step cut into its host-side pieces
-(plan, attention layouts, embedding, per-layer keys, the compiled stack, sampling), medians over
-the steps, next to the int8 matmuls alone (every `DynamicInt8Linear` of the model called once,
+(plan, attention layouts, embedding, the attention families' keys, the compiled stack, sampling),
+medians over the steps, next to the int8 matmuls alone (every `DynamicInt8Linear` of the model called once,
 as one step calls them) and the read bandwidth probe: the matmuls' GB/s against the probe says
 how close the kernel streams to the memory, and the step minus the matmuls what the rest costs.
 
@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import _request, bench_ours, capped, cpu_description, make_driver, read_bandwidth_gbs
 
 from bridge_schema.batch import build_forward
-from drivers.torch import compiled as compiled_module
 from drivers.torch.checkpoint import load_checkpoint
 from drivers.torch.driver import TorchDriver
 from drivers.torch.paged_attention import PagedAttention
@@ -79,14 +78,10 @@ def step_pieces(drv: TorchDriver, steps: int) -> dict[str, list[float]]:
             clock.tick("attention layouts")
             x, rope_full, rope_local = model.embed(plan.tokens, plan.positions)
             clock.tick("embed")
-            keys = [attention.layer_keys(i) for i in range(cfg.num_layers)]
-            compiled_module._mark_dynamic(*{id(t): t for k in keys for t in k[2:]}.values())
-            compiled_module._mark_dynamic(x, *rope_full, *rope_local)
-            clock.tick("layer keys")
-            blocks, head = model.model.blocks(), model.head()
-            logits = cm._stack(
-                cfg, blocks, x, (*rope_full, *rope_local), keys, model.model.norm, head, attention.kernel, model.reduce
-            )
+            for window in {cfg.window(i) for i in range(cfg.num_layers)}:
+                attention.family_keys(window)  # made once a pass, kept for the stack's call
+            clock.tick("family keys")
+            logits = cm.decode_stack(x, (*rope_full, *rope_local), attention)
             clock.tick("compiled stack")
             last = int(drv.sample_pass(req, plan, logits, clock.start).tokens[0])
             clock.tick("sample")

@@ -26,6 +26,8 @@ from drivers.torch.direct_graphs import DirectGraphs
 from drivers.torch.model import Block, Reduce, Transformer, attention_inputs, attention_output, output_logits
 from drivers.torch.paged_attention import LayerKeys, PagedAttention, attend_keys
 
+_Ropes = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # cos, sin of full and of local layers
+
 
 def _layer(
     cfg: ModelConfig,
@@ -45,17 +47,22 @@ def _stack(
     cfg: ModelConfig,
     blocks: list[Block],
     x: torch.Tensor,
-    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    keys: list[LayerKeys],
+    rope: _Ropes,
+    caches: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]],
+    families: dict[int, tuple[torch.Tensor, ...]],
     norm: nn.Module,
     head: nn.Module | torch.Tensor,
     kernel: bool,
     reduce: Reduce | None,
 ) -> torch.Tensor:
+    """`caches`: each layer's K and V pages; `families`: `PagedAttention.family_keys` by window.
+    The layers' keys are put together here, so that the graph's inputs hold each tensor once."""
     cos, sin, cos_local, sin_local = rope
     for i, block in enumerate(blocks):
-        cos_i, sin_i = (cos_local, sin_local) if cfg.window(i) > 0 else (cos, sin)
-        x = _layer(cfg, block, x, cos_i, sin_i, keys[i], kernel, reduce)
+        window = cfg.window(i)
+        cos_i, sin_i = (cos_local, sin_local) if window > 0 else (cos, sin)
+        keys = LayerKeys(caches[0][i], caches[1][i], *families[window])
+        x = _layer(cfg, block, x, cos_i, sin_i, keys, kernel, reduce)
     return output_logits(cfg, norm, head, x)
 
 
@@ -72,10 +79,35 @@ class CompiledModel:
         # Each model compiles its own copies (dynamo counts graphs per code object), called
         # without dynamo's per-call overhead once compiled (`direct_graphs.py`).
         # The graphs call the C++ ops: a rebuilt op must not meet graphs cached for the old one.
+        # The model's modules are frozen: their weights and attributes are never changed once it
+        # is compiled (their guards are dropped, their tensors read once; see direct_graphs.py).
         key = cpu_kernels.source_digest()
-        self._layer = DirectGraphs(_layer, key)
-        self._logits = DirectGraphs(output_logits, key)
-        self._stack = DirectGraphs(_stack, key)
+        self._layer = DirectGraphs(_layer, key, frozen=("cfg",))
+        self._logits = DirectGraphs(output_logits, key, frozen=("cfg", "norm", "head"))
+        self._stack = DirectGraphs(_stack, key, frozen=("cfg", "blocks", "norm", "head"))
+        self._blocks = model.model.blocks()
+        cfg = model.cfg
+        self._windows = sorted({cfg.window(i) for i in range(cfg.num_layers)})
+
+    def decode_stack(self, x: torch.Tensor, rope: _Ropes, attention: PagedAttention) -> torch.Tensor:
+        """Logits of every row of a decode pass from its embeddings `x` and RoPE (full, local)."""
+        model, cfg = self.model, self.model.cfg
+        families = {w: attention.family_keys(w) for w in self._windows}
+        _mark_dynamic(*{id(t): t for f in families.values() for t in f}.values())  # families share some
+        _mark_dynamic(x, *rope)  # one token: size 1 stays specialized
+        cache = attention.cache
+        return self._stack(
+            cfg,
+            self._blocks,
+            x,
+            rope,
+            (cache.k_layers, cache.v_layers),
+            families,
+            model.model.norm,
+            model.head(),
+            attention.kernel,
+            model.reduce,
+        )
 
     def __call__(
         self, tokens: torch.Tensor, positions: torch.Tensor, attention: PagedAttention, rows: torch.Tensor
@@ -86,20 +118,7 @@ class CompiledModel:
         x, rope_full, rope_local = model.embed(tokens, positions)
         # One query per request (decode): the stack, logits of every row, then `rows` of them.
         if attention.plan.q_index.shape[1] == 1:
-            keys = [attention.layer_keys(i) for i in range(cfg.num_layers)]
-            _mark_dynamic(*{id(t): t for k in keys for t in k[2:]}.values())  # families share theirs
-            _mark_dynamic(x, *rope_full, *rope_local)  # one token: size 1 stays specialized
-            logits = self._stack(
-                cfg,
-                model.model.blocks(),
-                x,
-                (*rope_full, *rope_local),
-                keys,
-                model.model.norm,
-                model.head(),
-                attention.kernel,
-                model.reduce,
-            )
+            logits = self.decode_stack(x, (*rope_full, *rope_local), attention)
             # Decode asks for every row in order, most of the time: then no copy (6 MB at batch 32).
             every_row = rows.shape[0] == logits.shape[0] and torch.equal(rows, torch.arange(rows.shape[0]))
             return logits if every_row else logits[rows]

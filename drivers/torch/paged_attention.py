@@ -126,11 +126,15 @@ class PagedAttention:
         return attend_keys(q, k, v, self.layer_keys(layer), self.cfg.scale, kernel=self.kernel)
 
     def layer_keys(self, layer: int) -> LayerKeys:
-        window = self.cfg.window(layer)
+        cache = self.cache
+        return LayerKeys(cache.k_layers[layer], cache.v_layers[layer], *self.family_keys(self.cfg.window(layer)))
+
+    def family_keys(self, window: int) -> tuple[torch.Tensor, ...]:
+        """`LayerKeys` past the cache (slots, q_index, key_index, mask, empty, valid) of every layer
+        with this window (0: full attention): the same tensors for all of them."""
         if window not in self._families:
             self._families[window] = self._family_tensors(window)
-        cache = self.cache
-        return LayerKeys(cache.k_layers[layer], cache.v_layers[layer], self.plan.slots, *self._families[window])
+        return (self.plan.slots, *self._families[window])
 
     def _family_tensors(self, window: int) -> _FamilyTensors:
         plan = self.plan

@@ -52,15 +52,20 @@ class PassPlan:
     page_table: torch.Tensor  # [B, max_pages] int32 page ids (0 for padding)
     user_mask: torch.Tensor | None  # [T, max_kv] bool, all True on rows without a mask
     out_tokens: torch.Tensor  # [O] flat token of each output row
+    # The same on the host, as numpy (`family_keys` is built from them):
     kv_len_np: npt.NDArray[np.int64]
     num_q_np: npt.NDArray[np.int64]
-    pages_np: list[npt.NDArray[np.int64]]
+    page_table_np: npt.NDArray[np.int32]
+    q_slot_np: npt.NDArray[np.int64]
+    q_index_np: npt.NDArray[np.int64]
+    q_valid_np: npt.NDArray[np.bool_]
+    out_tokens_np: npt.NDArray[np.int64]
     families: dict[int, FamilyKeys] = field(default_factory=dict)
     query_blocks: dict[int, torch.Tensor] = field(default_factory=dict)  # kernel tiling, by block size
 
 
 def _counts(indptr: npt.NDArray[np.uint32]) -> npt.NDArray[np.int64]:
-    return np.diff(indptr.astype(np.int64)).astype(np.int64)
+    return np.diff(indptr.astype(np.int64))
 
 
 def _check(fwd: Forward, limits: CacheLimits) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
@@ -95,32 +100,28 @@ def _check(fwd: Forward, limits: CacheLimits) -> tuple[npt.NDArray[np.int64], np
 
 
 def build_plan(fwd: Forward, limits: CacheLimits, device: torch.device) -> PassPlan:
+    """The pass's tensors, from whole-array operations over every request at once."""
     num_tokens, kv_len = _check(fwd, limits)
     ps = limits.page_size
     n_req = len(num_tokens)
     tok_ptr = fwd.token_indptr.astype(np.int64)
     page_ptr = fwd.page_indptr.astype(np.int64)
-    pages_np = [fwd.pages[page_ptr[r] : page_ptr[r + 1]].astype(np.int64) for r in range(n_req)]
-    q_slot = np.concatenate(
-        [np.arange(kv_len[r] - num_tokens[r], kv_len[r]) for r in range(n_req)] or [np.zeros(0, np.int64)]
-    )
+    num_pages = page_ptr[1:] - page_ptr[:-1]
     token_request = np.repeat(np.arange(n_req), num_tokens)
-    slot_pages = np.concatenate(
-        [pages_np[r][np.arange(kv_len[r] - num_tokens[r], kv_len[r]) // ps] for r in range(n_req)]
-        or [np.zeros(0, np.int64)]
-    )
-    slots = slot_pages * ps + q_slot % ps
+    # A request's new tokens take the last num_tokens of its kv_len slots, in order.
+    q_slot = (kv_len - num_tokens - tok_ptr[:-1])[token_request] + np.arange(len(token_request))
+    slots = fwd.pages[page_ptr[:-1][token_request] + q_slot // ps].astype(np.int64) * ps + q_slot % ps
     tq = max(int(num_tokens.max()) if n_req else 1, 1)
     col = np.arange(tq)
     q_valid = col[None, :] < num_tokens[:, None]
     q_index = np.where(q_valid, tok_ptr[:-1, None] + col[None, :], 0)
-    max_pages = max(int(np.diff(page_ptr).max()) if n_req else 1, 1)
+    max_pages = max(int(num_pages.max()) if n_req else 1, 1)
+    page_col = np.arange(max_pages)
     page_table = np.zeros((n_req, max_pages), dtype=np.int32)
-    for r in range(n_req):
-        page_table[r, : len(pages_np[r])] = pages_np[r]
-    out_counts = _counts(fwd.out_indptr)
-    out_owner = np.repeat(np.arange(n_req), out_counts)
-    out_tokens = tok_ptr[out_owner] + fwd.out_rows.astype(np.int64)
+    if fwd.pages.size:
+        at = np.minimum(page_ptr[:-1, None] + page_col, fwd.pages.size - 1)
+        page_table = np.where(page_col < num_pages[:, None], fwd.pages[at], 0).astype(np.int32)
+    out_tokens = np.repeat(tok_ptr[:-1], _counts(fwd.out_indptr)) + fwd.out_rows.astype(np.int64)
 
     def t(a: npt.NDArray[np.generic], dtype: torch.dtype = torch.long) -> torch.Tensor:
         # Arrays decoded from a frame are read-only views of it; torch wants writable memory.
@@ -152,7 +153,11 @@ def build_plan(fwd: Forward, limits: CacheLimits, device: torch.device) -> PassP
         out_tokens=t(out_tokens),
         kv_len_np=kv_len,
         num_q_np=num_tokens,
-        pages_np=pages_np,
+        page_table_np=page_table,
+        q_slot_np=q_slot,
+        q_index_np=q_index,
+        q_valid_np=q_valid,
+        out_tokens_np=out_tokens,
     )
 
 
@@ -161,35 +166,41 @@ def family_keys(plan: PassPlan, window: int, num_sinks: int, page_size: int) -> 
 
     A windowed family reads only the sink slots and the slots some query of the request can still
     see, so its key count differs from kv_len: the user mask (defined over kv_len keys) is
-    gathered at the real key slots rather than reused positionally."""
+    gathered at the real key slots rather than reused positionally. Built in numpy, a few whole-
+    array operations for every request at once (a decode step makes this once a pass, on the host
+    between two forward passes)."""
     if window in plan.families:
         return plan.families[window]
     device = plan.tokens.device
-    key_slots = []
-    for kv, nq in zip(plan.kv_len_np.tolist(), plan.num_q_np.tolist(), strict=True):
-        if window == 0:
-            key_slots.append(np.arange(kv))
-            continue
-        start = max(0, kv - nq - window + 1)
-        key_slots.append(np.concatenate((np.arange(min(num_sinks, start)), np.arange(start, kv))))
-    width = max(max((len(k) for k in key_slots), default=1), 1)
-    slot = np.full((len(key_slots), width), -1, dtype=np.int64)
-    index = np.zeros((len(key_slots), width), dtype=np.int64)
-    for r, slots_r in enumerate(key_slots):
-        slot[r, : len(slots_r)] = slots_r
-        index[r, : len(slots_r)] = plan.pages_np[r][slots_r // page_size] * page_size + slots_r % page_size
-    key_slot = torch.as_tensor(slot, device=device)
-    q_slot = torch.where(plan.q_valid, plan.q_slot[plan.q_index], -1)  # [B, Tq]
-    ks, qs = key_slot[:, None, :], q_slot[:, :, None]
-    allowed = (ks >= 0) & (ks <= qs)
+    kv, nq = plan.kv_len_np, plan.num_q_np
+    # Request r reads its first `sinks[r]` slots, then slots start[r] .. kv[r] - 1.
+    start = np.maximum(kv - nq - window + 1, 0) if window else np.zeros_like(kv)
+    sinks = np.minimum(num_sinks, start)
+    count = sinks + kv - start
+    width = max(int(count.max()) if len(count) else 1, 1)
+    col = np.arange(width)
+    slot = np.where(col < sinks[:, None], col, start[:, None] + col - sinks[:, None])
+    slot = np.where(col < count[:, None], slot, -1)  # [B, K], -1 for padding
+    safe_slot = np.maximum(slot, 0)
+    rows = np.arange(len(kv))[:, None]
+    pages = plan.page_table_np[rows, safe_slot // page_size].astype(np.int64)
+    index = np.where(slot >= 0, pages * page_size + safe_slot % page_size, 0)
+    q_slot = np.where(plan.q_valid_np, plan.q_slot_np[plan.q_index_np], -1)  # [B, Tq]
+    ks, qs = slot[:, None, :], q_slot[:, :, None]
+    allowed_np = (ks >= 0) & (ks <= qs)
     if window:
-        allowed &= (ks > qs - window) | (ks < num_sinks)
-    if plan.user_mask is not None:
-        rows = plan.user_mask[plan.q_index]  # [B, Tq, max_kv]
-        allowed &= torch.gather(rows, 2, key_slot.clamp(min=0)[:, None, :].expand(-1, rows.shape[1], -1))
-    empty = ~allowed.any(-1)
-    # Computed once per pass and family, not once per layer.
-    safe = allowed | empty[..., None]
-    fam = FamilyKeys(window, torch.as_tensor(index, device=device), key_slot, allowed, empty, safe)
+        allowed_np &= (ks > qs - window) | (ks < num_sinks)
+    key_slot = torch.from_numpy(slot).to(device)
+    if plan.user_mask is None:
+        empty_np = ~allowed_np.any(-1)
+        allowed, empty = torch.from_numpy(allowed_np).to(device), torch.from_numpy(empty_np).to(device)
+        safe = torch.from_numpy(allowed_np | empty_np[..., None]).to(device)
+    else:
+        user = plan.user_mask[plan.q_index]  # [B, Tq, max_kv]
+        gathered = torch.gather(user, 2, key_slot.clamp(min=0)[:, None, :].expand(-1, user.shape[1], -1))
+        allowed = torch.from_numpy(allowed_np).to(device) & gathered
+        empty = ~allowed.any(-1)
+        safe = allowed | empty[..., None]
+    fam = FamilyKeys(window, torch.from_numpy(index).to(device), key_slot, allowed, empty, safe)
     plan.families[window] = fam
     return fam

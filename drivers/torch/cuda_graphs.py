@@ -127,7 +127,11 @@ class DecodeGraphs:
             out_tokens=arange,
             kv_len_np=np.zeros(size, np.int64),
             num_q_np=np.ones(size, np.int64),
-            pages_np=[],
+            page_table_np=np.zeros((size, self.max_pages), np.int32),
+            q_slot_np=np.zeros(size, np.int64),
+            q_index_np=np.arange(size)[:, None],
+            q_valid_np=np.ones((size, 1), bool),
+            out_tokens_np=np.arange(size),
         )
         blocks = torch.stack([arange, arange, arange + 1], dim=1).to(torch.int32)
         plan.query_blocks[BLOCK_M] = blocks

@@ -284,7 +284,7 @@ class TorchDriver:
 
     def sample_pass(self, request: Forward, plan: PassPlan, logits: torch.Tensor, start: float) -> ForwardResult:
         """Sample the output rows' `logits` and count the pass (begun at perf_counter `start`)."""
-        out_positions = request.positions.astype(np.int64)[plan.out_tokens.cpu().numpy()]
+        out_positions = request.positions.astype(np.int64)[plan.out_tokens_np]
         s = sample(logits, request, out_positions, self.cfg.vocab_size, self.generator)
         self.stats["forwards"] = int(self.stats["forwards"]) + 1
         self.stats["tokens"] = int(self.stats["tokens"]) + len(request.tokens)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -151,8 +152,5 @@ class PagedAttention:
         if pad_b or pad_k:
             key_index = F.pad(key_index, (0, pad_k, 0, pad_b))
             mask = F.pad(mask, (0, pad_k, 0, 0, 0, pad_b), value=False) | empty[..., None]
-        width = q_index.shape[1]
-        valid = (torch.arange(b, device=q_index.device)[:, None] * width + torch.arange(tq, device=q_index.device))[
-            plan.q_valid
-        ]
-        return q_index, key_index, mask, empty, valid
+        valid = (np.arange(b)[:, None] * q_index.shape[1] + np.arange(tq))[plan.q_valid_np]
+        return q_index, key_index, mask, empty, torch.from_numpy(valid).to(q_index.device)

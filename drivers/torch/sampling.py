@@ -18,6 +18,9 @@ from drivers.errors import RequestRejected
 from drivers.torch import cpu_kernels
 
 PREFILTER = 256  # random sampling considers the 256 most likely tokens; the rest carry ~0 mass
+_NO_IDS: npt.NDArray[np.uint32] = np.zeros(0, np.uint32)
+_NO_FLOATS: npt.NDArray[np.float32] = np.zeros(0, np.float32)
+_NO_IDS.flags.writeable = _NO_FLOATS.flags.writeable = False
 
 
 @dataclass(slots=True)
@@ -39,9 +42,9 @@ def unpack_logit_masks(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_logit_masks(logits: torch.Tensor, fwd: Forward, vocab_size: int) -> torch.Tensor:
-    index = fwd.logit_mask_index.astype(np.int64)
-    if not np.any(index >= 0):
+    if not fwd.logit_mask_index.size or int(fwd.logit_mask_index.max()) < 0:
         return logits
+    index = fwd.logit_mask_index.astype(np.int64)
     width = logit_mask_words(vocab_size)
     num_masks = fwd.logit_masks.size // width
     if fwd.logit_masks.size != num_masks * width or int(index.max()) >= num_masks:
@@ -104,37 +107,38 @@ def sample(
     num_out = logits.shape[0]
     masked = apply_logit_masks(logits, fwd, vocab_size)
     tokens = cpu_kernels.argmax_rows(masked)  # the first maximum, like argmax
-    kinds = fwd.sampler.astype(np.int64)
-    random_rows = np.nonzero(kinds == SamplerKind.RANDOM)[0]
+    random_rows = np.flatnonzero(fwd.sampler == SamplerKind.RANDOM)
     if len(random_rows):
         tokens[torch.as_tensor(random_rows, device=logits.device)] = _random_tokens(
             masked, fwd, random_rows, positions[random_rows], gen
         )
     tokens_np = tokens.to(torch.int32).cpu().numpy()
+    probe_rows = np.flatnonzero(fwd.probe)
+    if not len(probe_rows):  # most passes: nothing but the tokens
+        no_probes = np.zeros(num_out + 1, dtype=np.uint32)
+        return Sampled(tokens_np, np.zeros(num_out, np.float32), no_probes, _NO_IDS, _NO_FLOATS, no_probes, _NO_FLOATS)
     logprobs = np.zeros(num_out, dtype=np.float32)
     topk_counts = np.zeros(num_out, dtype=np.int64)
     dist_counts = np.zeros(num_out, dtype=np.int64)
     topk_ids: list[npt.NDArray[np.uint32]] = []
     topk_lps: list[npt.NDArray[np.float32]] = []
     dists: list[npt.NDArray[np.float32]] = []
-    probe_rows = np.nonzero(fwd.probe != 0)[0]
-    if len(probe_rows):
-        lp_all = torch.log_softmax(masked[torch.as_tensor(probe_rows, device=logits.device)], dim=-1)
-        for j, o in enumerate(probe_rows.tolist()):
-            flags = Probe(int(fwd.probe[o]))
-            lp = lp_all[j]
-            if Probe.LOGPROBS in flags:
-                scored = int(fwd.score_tokens[o]) if len(fwd.score_tokens) else -1
-                logprobs[o] = float(lp[scored if scored >= 0 else int(tokens_np[o])])
-                k = int(fwd.probe_k[o])
-                if k:
-                    v, i = torch.topk(lp, k)
-                    topk_ids.append(i.cpu().numpy().astype(np.uint32))
-                    topk_lps.append(v.float().cpu().numpy())
-                    topk_counts[o] = k
-            if Probe.DISTRIBUTION in flags:
-                dists.append(lp.float().cpu().numpy())
-                dist_counts[o] = vocab_size
+    lp_all = torch.log_softmax(masked[torch.as_tensor(probe_rows, device=logits.device)], dim=-1)
+    for j, o in enumerate(probe_rows.tolist()):
+        flags = Probe(int(fwd.probe[o]))
+        lp = lp_all[j]
+        if Probe.LOGPROBS in flags:
+            scored = int(fwd.score_tokens[o]) if len(fwd.score_tokens) else -1
+            logprobs[o] = float(lp[scored if scored >= 0 else int(tokens_np[o])])
+            k = int(fwd.probe_k[o])
+            if k:
+                v, i = torch.topk(lp, k)
+                topk_ids.append(i.cpu().numpy().astype(np.uint32))
+                topk_lps.append(v.float().cpu().numpy())
+                topk_counts[o] = k
+        if Probe.DISTRIBUTION in flags:
+            dists.append(lp.float().cpu().numpy())
+            dist_counts[o] = vocab_size
 
     def indptr(counts: npt.NDArray[np.int64]) -> npt.NDArray[np.uint32]:
         return np.concatenate(([0], np.cumsum(counts))).astype(np.uint32)

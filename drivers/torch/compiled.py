@@ -27,6 +27,7 @@ from drivers.torch.model import Block, Reduce, Transformer, attention_inputs, at
 from drivers.torch.paged_attention import LayerKeys, PagedAttention, attend_keys
 
 _Ropes = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # cos, sin of full and of local layers
+_Families = dict[int, tuple[torch.Tensor, ...]]  # `PagedAttention.family_keys` by window
 
 
 def _layer(
@@ -49,7 +50,7 @@ def _stack(
     x: torch.Tensor,
     rope: _Ropes,
     caches: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]],
-    families: dict[int, tuple[torch.Tensor, ...]],
+    families: _Families,
     norm: nn.Module,
     head: nn.Module | torch.Tensor,
     kernel: bool,
@@ -73,6 +74,21 @@ def _mark_dynamic(*tensors: torch.Tensor) -> None:
             torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
+def _mark_stack(
+    cfg: ModelConfig,
+    blocks: list[Block],
+    x: torch.Tensor,
+    rope: _Ropes,
+    caches: object,
+    families: _Families,
+    *rest: object,
+) -> None:
+    """Before dynamo sees a stack call (only it reads the marks; a direct call passes unmarked
+    tensors, which the guards accept): the pass's sizes are symbols, size 1 stays specialized."""
+    _mark_dynamic(*{id(t): t for f in families.values() for t in f}.values())  # families share some
+    _mark_dynamic(x, *rope)
+
+
 class CompiledModel:
     def __init__(self, model: Transformer) -> None:
         self.model = model
@@ -84,7 +100,7 @@ class CompiledModel:
         key = cpu_kernels.source_digest()
         self._layer = DirectGraphs(_layer, key, frozen=("cfg",))
         self._logits = DirectGraphs(output_logits, key, frozen=("cfg", "norm", "head"))
-        self._stack = DirectGraphs(_stack, key, frozen=("cfg", "blocks", "norm", "head"))
+        self._stack = DirectGraphs(_stack, key, frozen=("cfg", "blocks", "norm", "head"), before_dynamo=_mark_stack)
         self._blocks = model.model.blocks()
         cfg = model.cfg
         self._windows = sorted({cfg.window(i) for i in range(cfg.num_layers)})
@@ -93,8 +109,6 @@ class CompiledModel:
         """Logits of every row of a decode pass from its embeddings `x` and RoPE (full, local)."""
         model, cfg = self.model, self.model.cfg
         families = {w: attention.family_keys(w) for w in self._windows}
-        _mark_dynamic(*{id(t): t for f in families.values() for t in f}.values())  # families share some
-        _mark_dynamic(x, *rope)  # one token: size 1 stays specialized
         cache = attention.cache
         return self._stack(
             cfg,

@@ -78,9 +78,16 @@ def _own_copy(fn: Callable[..., Any]) -> types.FunctionType:
 class DirectGraphs:
     """`cache_key`: what Inductor's on-disk cache cannot see but the compiled graphs depend on
     (e.g. the sources of the custom ops they call); graphs compiled under another key are not
-    reused."""
+    reused. `before_dynamo(*args)`: called before a call goes through dynamo (which may compile),
+    e.g. to mark sizes dynamic; direct calls skip it."""
 
-    def __init__(self, fn: Callable[..., Any], cache_key: str = "", frozen: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        cache_key: str = "",
+        frozen: tuple[str, ...] = (),
+        before_dynamo: Callable[..., None] | None = None,
+    ) -> None:
         self._fn = _own_copy(fn)
         self._inductor_options: dict[str, Any] = dict(INDUCTOR_OPTIONS)
         if cache_key:
@@ -89,6 +96,7 @@ class DirectGraphs:
         unknown = set(frozen) - set(self._names)
         assert not unknown, f"frozen names no argument of {fn.__name__}: {sorted(unknown)}"
         self._frozen = frozen
+        self._before_dynamo = before_dynamo
         self._roots = tuple(f"L[{name!r}]" for name in frozen)  # dynamo's source names of them
         self._frozen_objects: list[list[Any]] | None = None  # `_flat` of each, from the first call
         options = {"guard_filter_fn": self._keep_guards} if frozen else None
@@ -169,5 +177,7 @@ class DirectGraphs:
                     self._callers.insert(0, self._callers.pop(i))
                 self.num_direct_calls += 1
                 return graph(*inputs(frame))[0]
+        if self._before_dynamo is not None:
+            self._before_dynamo(*args)
         with torch._dynamo.config.patch(DYNAMO_OPTIONS):
             return self._dynamo(*args)

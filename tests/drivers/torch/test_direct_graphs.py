@@ -172,3 +172,13 @@ def test_another_object_for_a_frozen_argument_raises() -> None:
         with pytest.raises(FrozenArgumentChanged, match="'modules' is frozen"):
             graphs(changed, x)
     assert torch.equal(graphs(modules, x), x * 2)
+
+
+@torch.inference_mode()
+def test_before_dynamo_runs_only_on_calls_that_go_through_dynamo() -> None:
+    """The decode stack marks its sizes dynamic there, not at every direct call (~40 us a step)."""
+    seen: list[torch.dtype] = []
+    graphs = DirectGraphs(_write_and_sum, before_dynamo=lambda cache, *rest: seen.append(cache.dtype))
+    for dtype in (torch.float32, torch.float32, torch.float64, torch.float32, torch.float64):
+        _check(*_run(graphs, dtype))
+    assert seen == [torch.float32, torch.float64] and graphs.num_direct_calls == 3

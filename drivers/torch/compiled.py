@@ -136,7 +136,7 @@ class CompiledModel:
             # Decode asks for every row in order, most of the time: then no copy (6 MB at batch 32).
             every_row = rows.shape[0] == logits.shape[0] and torch.equal(rows, torch.arange(rows.shape[0]))
             return logits if every_row else logits[rows]
-        for i, block in enumerate(model.model.blocks()):
+        for i, block in enumerate(self._blocks):
             cos, sin = rope_local if cfg.window(i) > 0 else rope_full
             keys = attention.layer_keys(i)
             if i == 0:  # only the first call of a pass can compile

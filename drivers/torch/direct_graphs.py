@@ -97,7 +97,9 @@ class DirectGraphs:
         assert not unknown, f"frozen names no argument of {fn.__name__}: {sorted(unknown)}"
         self._frozen = frozen
         self._before_dynamo = before_dynamo
-        self._roots = tuple(f"L[{name!r}]" for name in frozen)  # dynamo's source names of them
+        # How dynamo names what a frozen argument reads: `L['blocks'][0]...` in a graph's inputs,
+        # `blocks[0]...` in its guards.
+        self._roots = tuple(f"L[{name!r}]" for name in frozen) + frozen
         self._frozen_objects: list[list[Any]] | None = None  # `_flat` of each, from the first call
         options = {"guard_filter_fn": self._keep_guards} if frozen else None
         self._dynamo: Callable[..., Any] = torch.compile(
@@ -125,15 +127,13 @@ class DirectGraphs:
         self._new.append((compiled, reader))
         return compiled
 
-    def _is_frozen(self, source: str, roots: tuple[str, ...] | None = None) -> bool:
-        """Whether `source` (a placeholder's source name, over `L`) reads a frozen argument."""
-        roots = self._roots if roots is None else roots
-        return any(source == root or source.startswith((root + "[", root + ".")) for root in roots)
+    def _is_frozen(self, source: str) -> bool:
+        """Whether `source` (an input's or a guard's source name) reads a frozen argument."""
+        return any(source == root or source.startswith((root + "[", root + ".")) for root in self._roots)
 
     def _keep_guards(self, entries: list[Any]) -> list[bool]:
-        """Dynamo's `guard_filter_fn`: drop the guards over frozen arguments (a guard's name is its
-        source without the `L[...]` of locals: `blocks[0]._modules[...]`)."""
-        return [not self._is_frozen(entry.name, self._frozen) for entry in entries]
+        """Dynamo's `guard_filter_fn`: drop the guards over frozen arguments."""
+        return [not self._is_frozen(entry.name) for entry in entries]
 
     def _check_frozen(self, frame: dict[str, Any]) -> None:
         objects = [_flat(frame[name]) for name in self._frozen]

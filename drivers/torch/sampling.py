@@ -18,9 +18,6 @@ from drivers.errors import RequestRejected
 from drivers.torch import cpu_kernels
 
 PREFILTER = 256  # random sampling considers the 256 most likely tokens; the rest carry ~0 mass
-_NO_IDS: npt.NDArray[np.uint32] = np.zeros(0, np.uint32)
-_NO_FLOATS: npt.NDArray[np.float32] = np.zeros(0, np.float32)
-_NO_IDS.flags.writeable = _NO_FLOATS.flags.writeable = False
 
 
 @dataclass(slots=True)
@@ -115,8 +112,10 @@ def sample(
     tokens_np = tokens.to(torch.int32).cpu().numpy()
     probe_rows = np.flatnonzero(fwd.probe)
     if not len(probe_rows):  # most passes: nothing but the tokens
-        no_probes = np.zeros(num_out + 1, dtype=np.uint32)
-        return Sampled(tokens_np, np.zeros(num_out, np.float32), no_probes, _NO_IDS, _NO_FLOATS, no_probes, _NO_FLOATS)
+        no_probes, nothing = np.zeros(num_out + 1, dtype=np.uint32), np.zeros(0, np.float32)
+        return Sampled(
+            tokens_np, np.zeros(num_out, np.float32), no_probes, np.zeros(0, np.uint32), nothing, no_probes, nothing
+        )
     logprobs = np.zeros(num_out, dtype=np.float32)
     topk_counts = np.zeros(num_out, dtype=np.int64)
     dist_counts = np.zeros(num_out, dtype=np.int64)

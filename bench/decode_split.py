@@ -1,5 +1,5 @@
 """Where a batch-1 decode step of the torch driver goes: the step cut into its host-side pieces
-(plan, attention layouts, embedding, the attention families' keys, the compiled stack, sampling),
+(plan, attention layouts, the attention families' keys, the compiled stack with the embedding, sampling),
 medians over the steps, next to the int8 matmuls alone (every `DynamicInt8Linear` of the model called once,
 as one step calls them) and the read bandwidth probe: the matmuls' GB/s against the probe says
 how close the kernel streams to the memory, and the step minus the matmuls what the rest costs.
@@ -61,7 +61,6 @@ def step_pieces(drv: TorchDriver, steps: int) -> dict[str, list[float]]:
     """Decode `steps` tokens after a PROMPT-token prefill, timing each piece of every step (ms)."""
     assert drv.compiled is not None and drv.cache is not None, "needs a +compile entry"
     cm, cfg = drv.compiled, drv.cfg
-    model = cm.model
     pages = (PROMPT + steps + 15) // 16
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, PROMPT).tolist()
     last = int(drv.forward(build_forward(0, [_request(0, prompt, 0, 16, pages)])).tokens[0])
@@ -76,12 +75,10 @@ def step_pieces(drv: TorchDriver, steps: int) -> dict[str, list[float]]:
                 cfg, drv.cache, plan, drv.use_triton, for_compiled=True, kernel=drv.attention_kernel
             )
             clock.tick("attention layouts")
-            x, rope_full, rope_local = model.embed(plan.tokens, plan.positions)
-            clock.tick("embed")
             for window in {cfg.window(i) for i in range(cfg.num_layers)}:
                 attention.family_keys(window)  # made once a pass, kept for the stack's call
             clock.tick("family keys")
-            logits = cm.decode_stack(x, (*rope_full, *rope_local), attention)
+            logits = cm.decode_stack(plan.tokens, plan.positions, attention)
             clock.tick("compiled stack")
             last = int(drv.sample_pass(req, plan, logits, clock.start).tokens[0])
             clock.tick("sample")

@@ -1,7 +1,7 @@
 """The optional compiled path (`--compile`, CPU): each decoder layer, attention over the paged
 cache included, runs as one `torch.compile`d (Inductor: C++) function, shared by all layers (they
 take their block as an argument). A decode pass (one query per request: batch 1 or a batch of
-contexts) runs the whole stack, output head included, as one graph instead: each compiled call
+contexts) runs the whole model, embedding and output head included, as one graph instead: each compiled call
 costs ~70-100 us in dynamo's guards and Inductor's Python wrapper, a third of a batch-1 step,
 and 30 of them ~5% of a batch-32 step. Passes with LoRA adapters stay eager; the driver refuses
 it on CUDA, whose attention is a Triton kernel. On a tensor-parallel shard the model's `reduce`
@@ -18,7 +18,6 @@ dynamo's frame machinery (`direct_graphs.py`)."""
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from drivers.torch import cpu_kernels
 from drivers.torch.config import ModelConfig
@@ -26,7 +25,6 @@ from drivers.torch.direct_graphs import DirectGraphs
 from drivers.torch.model import Block, Reduce, Transformer, attention_inputs, attention_output, output_logits
 from drivers.torch.paged_attention import LayerKeys, PagedAttention, attend_keys
 
-_Ropes = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # cos, sin of full and of local layers
 _Families = dict[int, tuple[torch.Tensor, ...]]  # `PagedAttention.family_keys` by window
 
 
@@ -46,25 +44,25 @@ def _layer(
 
 def _stack(
     cfg: ModelConfig,
-    blocks: list[Block],
-    x: torch.Tensor,
-    rope: _Ropes,
+    model: Transformer,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
     caches: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]],
     families: _Families,
-    norm: nn.Module,
-    head: nn.Module | torch.Tensor,
     kernel: bool,
     reduce: Reduce | None,
 ) -> torch.Tensor:
-    """`caches`: each layer's K and V pages; `families`: `PagedAttention.family_keys` by window.
-    The layers' keys are put together here, so that the graph's inputs hold each tensor once."""
-    cos, sin, cos_local, sin_local = rope
-    for i, block in enumerate(blocks):
+    """A decode pass's logits from its tokens and positions: the embedding and RoPE, every layer
+    and the output head in one graph. `caches`: each layer's K and V pages; `families`:
+    `PagedAttention.family_keys` by window. The layers' keys are put together here, so that the
+    graph's inputs hold each tensor once."""
+    x, (cos, sin), (cos_local, sin_local) = model.embed(tokens, positions)
+    for i, block in enumerate(model.model.blocks()):
         window = cfg.window(i)
         cos_i, sin_i = (cos_local, sin_local) if window > 0 else (cos, sin)
         keys = LayerKeys(caches[0][i], caches[1][i], *families[window])
         x = _layer(cfg, block, x, cos_i, sin_i, keys, kernel, reduce)
-    return output_logits(cfg, norm, head, x)
+    return output_logits(cfg, model.model.norm, model.head(), x)
 
 
 def _mark_dynamic(*tensors: torch.Tensor) -> None:
@@ -76,9 +74,9 @@ def _mark_dynamic(*tensors: torch.Tensor) -> None:
 
 def _mark_stack(
     cfg: ModelConfig,
-    blocks: list[Block],
-    x: torch.Tensor,
-    rope: _Ropes,
+    model: Transformer,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
     caches: object,
     families: _Families,
     *rest: object,
@@ -86,7 +84,7 @@ def _mark_stack(
     """Before dynamo sees a stack call (only it reads the marks; a direct call passes unmarked
     tensors, which the guards accept): the pass's sizes are symbols, size 1 stays specialized."""
     _mark_dynamic(*{id(t): t for f in families.values() for t in f}.values())  # families share some
-    _mark_dynamic(x, *rope)
+    _mark_dynamic(tokens, positions)
 
 
 class CompiledModel:
@@ -100,28 +98,18 @@ class CompiledModel:
         key = cpu_kernels.source_digest()
         self._layer = DirectGraphs(_layer, key, frozen=("cfg",))
         self._logits = DirectGraphs(output_logits, key, frozen=("cfg", "norm", "head"))
-        self._stack = DirectGraphs(_stack, key, frozen=("cfg", "blocks", "norm", "head"), before_dynamo=_mark_stack)
+        self._stack = DirectGraphs(_stack, key, frozen=("cfg", "model"), before_dynamo=_mark_stack)
         self._blocks = model.model.blocks()
         cfg = model.cfg
         self._windows = sorted({cfg.window(i) for i in range(cfg.num_layers)})
 
-    def decode_stack(self, x: torch.Tensor, rope: _Ropes, attention: PagedAttention) -> torch.Tensor:
-        """Logits of every row of a decode pass from its embeddings `x` and RoPE (full, local)."""
-        model, cfg = self.model, self.model.cfg
+    def decode_stack(self, tokens: torch.Tensor, positions: torch.Tensor, attention: PagedAttention) -> torch.Tensor:
+        """Logits of every row of a decode pass (one token per request)."""
+        model = self.model
         families = {w: attention.family_keys(w) for w in self._windows}
         cache = attention.cache
-        return self._stack(
-            cfg,
-            self._blocks,
-            x,
-            rope,
-            (cache.k_layers, cache.v_layers),
-            families,
-            model.model.norm,
-            model.head(),
-            attention.kernel,
-            model.reduce,
-        )
+        caches = (cache.k_layers, cache.v_layers)
+        return self._stack(model.cfg, model, tokens, positions, caches, families, attention.kernel, model.reduce)
 
     def __call__(
         self, tokens: torch.Tensor, positions: torch.Tensor, attention: PagedAttention, rows: torch.Tensor
@@ -129,13 +117,13 @@ class CompiledModel:
         """Logits of `rows`, as `Transformer.forward` without LoRA."""
         assert attention.for_compiled, "a compiled pass needs padded attention layouts"
         model, cfg = self.model, self.model.cfg
-        x, rope_full, rope_local = model.embed(tokens, positions)
         # One query per request (decode): the stack, logits of every row, then `rows` of them.
         if attention.plan.q_index.shape[1] == 1:
-            logits = self.decode_stack(x, (*rope_full, *rope_local), attention)
+            logits = self.decode_stack(tokens, positions, attention)
             # Decode asks for every row in order, most of the time: then no copy (6 MB at batch 32).
             every_row = rows.shape[0] == logits.shape[0] and torch.equal(rows, torch.arange(rows.shape[0]))
             return logits if every_row else logits[rows]
+        x, rope_full, rope_local = model.embed(tokens, positions)
         for i, block in enumerate(self._blocks):
             cos, sin = rope_local if cfg.window(i) > 0 else rope_full
             keys = attention.layer_keys(i)

@@ -114,6 +114,21 @@ def test_decode_pass_runs_the_stack_as_one_graph(
         torch.testing.assert_close(got, eager.logits(forward(quiet)), atol=1e-4, rtol=0)
 
 
+def test_decode_logits_are_the_same_bits_alone_and_in_a_batch(compiled: TorchDriver) -> None:
+    # Batch 1 runs the stack's graph compiled for one token, larger batches the graph with a
+    # symbolic batch size: a context's logits (embedding, RoPE and all) must not depend on which.
+    prompts = [random_tokens(n, 96, seed=n) for n in (9, 5, 7)]
+    specs = [request(p, 0, PAGES[3 * i :], PS, context_id=i) for i, p in enumerate(prompts)]
+    compiled.logits(forward(specs))
+    for step in range(4):  # each pass writes the same token to the same slot: the caches agree
+        steps = [
+            request([7 + step + i], len(p) + step, PAGES[3 * i :], PS, context_id=i) for i, p in enumerate(prompts)
+        ]
+        alone = compiled.logits(forward(steps[:1]))
+        together = compiled.logits(forward(steps))
+        assert torch.equal(alone[0], together[0]), f"step {step}: batch 1 and batch 3 differ"
+
+
 def test_compiled_passes_skip_dynamo_after_the_warm_up(
     gemma: Checkpoint, compiled: TorchDriver, monkeypatch: pytest.MonkeyPatch
 ) -> None:

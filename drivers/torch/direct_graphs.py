@@ -7,8 +7,9 @@ guard check (173 us) plus reading the inputs (70 us); the step is ~12 ms. Semant
 a call whose guards pass no graph goes through dynamo, which compiles (or fails, under
 `fail_on_recompile`) as before; anything this module cannot map keeps the plain dynamo path.
 
-Frozen arguments (`frozen=`): arguments that are the same objects at every call, whose contents
-are never changed once compiled (a model's config, blocks, norm and head). Dynamo's guards over
+Frozen arguments (`frozen=`): arguments that are the same objects at every call, whose attributes
+and tensors' sizes are never changed once compiled (a model's config and modules; a KV cache's
+pages, whose contents the graphs read and write at each call). Dynamo's guards over
 them are dropped (for SmolLM2's decode stack ~3,400 of its ~3,800 checks: every weight's
 metadata, every module's dict), their tensors are read once instead of at every call, and each
 call checks only that the same objects came (by identity); another object raises. Measured on

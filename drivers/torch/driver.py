@@ -169,6 +169,8 @@ class TorchDriver:
                 cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device
             )
             fresh = True
+            if self.compiled is not None:  # its decode graphs hold the old pages (frozen arguments)
+                self.compiled = CompiledModel(self.model)
         else:
             fresh = False
         max_context = min(cfg.max_position, num_pages * page_size)

@@ -1,9 +1,9 @@
 """The optional compiled path (`--compile`, CPU): each decoder layer, attention over the paged
 cache included, runs as one `torch.compile`d (Inductor: C++) function, shared by all layers (they
 take their block as an argument). A decode pass (one query per request: batch 1 or a batch of
-contexts) runs the whole model, embedding and output head included, as one graph instead: each compiled call
-costs ~70-100 us in dynamo's guards and Inductor's Python wrapper, a third of a batch-1 step,
-and 30 of them ~5% of a batch-32 step. Passes with LoRA adapters stay eager; the driver refuses
+contexts) runs the whole model, embedding and output head included, as one graph instead: each
+compiled call costs ~70-100 us in dynamo's guards and Inductor's Python wrapper, a third of a
+batch-1 step, and 30 of them ~5% of a batch-32 step. Passes with LoRA adapters stay eager; the driver refuses
 it on CUDA, whose attention is a Triton kernel. On a tensor-parallel shard the model's `reduce`
 (an all-reduce) is traced into the graphs: dynamo turns `dist.all_reduce` into a functional
 collective that Inductor calls in place, so a layer stays one graph.
@@ -95,8 +95,6 @@ class CompiledModel:
         # The graphs call the C++ ops: a rebuilt op must not meet graphs cached for the old one.
         # The model's modules are frozen: their weights and attributes are never changed once it
         # is compiled (their guards are dropped, their tensors read once; see direct_graphs.py).
-        # So is the KV cache of the first decode pass: a driver makes a new CompiledModel with a
-        # new cache.
         key = cpu_kernels.source_digest()
         self._layer = DirectGraphs(_layer, key, frozen=("cfg",))
         self._logits = DirectGraphs(output_logits, key, frozen=("cfg", "norm", "head"))

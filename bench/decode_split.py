@@ -1,8 +1,9 @@
 """Where a batch-1 decode step of the torch driver goes: the step cut into its host-side pieces
-(plan, attention layouts, the attention families' keys, the compiled stack with the embedding, sampling),
-medians over the steps, next to the int8 matmuls alone (every `DynamicInt8Linear` of the model called once,
-as one step calls them) and the read bandwidth probe: the matmuls' GB/s against the probe says
-how close the kernel streams to the memory, and the step minus the matmuls what the rest costs.
+(plan, attention layouts, the attention families' keys, the compiled stack with the embedding,
+sampling), medians over the steps, next to the int8 matmuls alone (every `DynamicInt8Linear` of
+the model called once, as one step calls them) and the read bandwidth probe: the matmuls' GB/s
+against the probe says how close the kernel streams to the memory, and the step minus the matmuls
+what the rest costs.
 
     python bench/decode_split.py [--dtype float32+w8a8+compile] [--threads 2] [--steps 48] [--out F]
 

@@ -68,8 +68,10 @@ def _counts(indptr: npt.NDArray[np.uint32]) -> npt.NDArray[np.int64]:
     return np.diff(indptr.astype(np.int64))
 
 
-def _check(fwd: Forward, limits: CacheLimits) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """Validate against the model and the cache; returns (num_tokens, kv_len) per request."""
+def _check(
+    fwd: Forward, limits: CacheLimits
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Validate against the model and the cache; returns (num_tokens, num_pages, kv_len) per request."""
     ps = limits.page_size
     num_tokens = _counts(fwd.token_indptr)
     num_pages = _counts(fwd.page_indptr)
@@ -96,17 +98,16 @@ def _check(fwd: Forward, limits: CacheLimits) -> tuple[npt.NDArray[np.int64], np
     if fwd.probe_k.size and int(fwd.probe_k.max()) > limits.max_probe_k:
         raise RequestRejected(f"probe_k exceeds {limits.max_probe_k}", "probe_k")
     check_mask_rows(fwd.mask_req_indptr, fwd.mask_row_indptr, fwd.mask_runs, num_tokens, kv_len)
-    return num_tokens, kv_len
+    return num_tokens, num_pages, kv_len
 
 
 def build_plan(fwd: Forward, limits: CacheLimits, device: torch.device) -> PassPlan:
     """The pass's tensors, from whole-array operations over every request at once."""
-    num_tokens, kv_len = _check(fwd, limits)
+    num_tokens, num_pages, kv_len = _check(fwd, limits)
     ps = limits.page_size
     n_req = len(num_tokens)
     tok_ptr = fwd.token_indptr.astype(np.int64)
     page_ptr = fwd.page_indptr.astype(np.int64)
-    num_pages = page_ptr[1:] - page_ptr[:-1]
     token_request = np.repeat(np.arange(n_req), num_tokens)
     # A request's new tokens take the last num_tokens of its kv_len slots, in order.
     q_slot = (kv_len - num_tokens - tok_ptr[:-1])[token_request] + np.arange(len(token_request))

@@ -3,8 +3,8 @@ cache included, runs as one `torch.compile`d (Inductor: C++) function, shared by
 take their block as an argument). A decode pass (one query per request: batch 1 or a batch of
 contexts) runs the whole model, embedding and output head included, as one graph instead: each
 compiled call costs ~70-100 us in dynamo's guards and Inductor's Python wrapper, a third of a
-batch-1 step, and 30 of them ~5% of a batch-32 step. Passes with LoRA adapters stay eager; the driver refuses
-it on CUDA, whose attention is a Triton kernel. On a tensor-parallel shard the model's `reduce`
+batch-1 step, and 30 of them ~5% of a batch-32 step. Passes with LoRA adapters stay eager; the
+driver refuses it on CUDA, whose attention is a Triton kernel. On a tensor-parallel shard the model's `reduce`
 (an all-reduce) is traced into the graphs: dynamo turns `dist.all_reduce` into a functional
 collective that Inductor calls in place, so a layer stays one graph.
 

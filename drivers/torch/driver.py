@@ -164,13 +164,13 @@ class TorchDriver:
             raise ConfigRejected(exc.detail, exc.field) from None
         cfg = self.cfg
         if self.cache is None or (self.cache.page_size, self.cache.num_pages) != (page_size, num_pages):
+            if self.cache is not None and self.compiled is not None:
+                self.compiled = CompiledModel(self.model)  # the old one's graphs hold the old pages (frozen)
             self.cache = None  # free the old pages before allocating the new ones
             self.cache = PagedKVCache(
                 cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device
             )
             fresh = True
-            if self.compiled is not None:  # its decode graphs hold the old pages (frozen arguments)
-                self.compiled = CompiledModel(self.model)
         else:
             fresh = False
         max_context = min(cfg.max_position, num_pages * page_size)

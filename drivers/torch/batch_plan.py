@@ -13,6 +13,7 @@ import torch
 
 from bridge_schema.messages import Forward
 from drivers.errors import RequestRejected
+from drivers.torch import cpu_kernels
 from drivers.torch.masks import check_mask_rows, decode_brle_rows
 
 
@@ -71,7 +72,8 @@ def _counts(indptr: npt.NDArray[np.uint32]) -> npt.NDArray[np.int64]:
 def _check(
     fwd: Forward, limits: CacheLimits
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """Validate against the model and the cache; returns (num_tokens, num_pages, kv_len) per request."""
+    """Validate against the model and the cache (the mask rows apart: `check_mask_rows`); returns
+    (num_tokens, num_pages, kv_len) per request."""
     ps = limits.page_size
     num_tokens = _counts(fwd.token_indptr)
     num_pages = _counts(fwd.page_indptr)
@@ -97,12 +99,42 @@ def _check(
         raise RequestRejected("an output row is past its request's tokens", "out_rows")
     if fwd.probe_k.size and int(fwd.probe_k.max()) > limits.max_probe_k:
         raise RequestRejected(f"probe_k exceeds {limits.max_probe_k}", "probe_k")
-    check_mask_rows(fwd.mask_req_indptr, fwd.mask_row_indptr, fwd.mask_runs, num_tokens, kv_len)
     return num_tokens, num_pages, kv_len
 
 
-def build_plan(fwd: Forward, limits: CacheLimits, device: torch.device) -> PassPlan:
-    """The pass's tensors, from whole-array operations over every request at once."""
+_PlanArrays = tuple[npt.NDArray[np.generic], ...]
+
+
+def _plan_arrays(fwd: Forward, limits: CacheLimits) -> _PlanArrays:
+    """`_check`, then the pass's arrays: (num_tokens, kv_len, token_request, q_slot, slots,
+    q_valid, q_index, page_table, out_tokens, q_start, tokens, positions). In C++ (`pass_plan.cpp`,
+    one call) once the kernels are loaded, else in numpy (`_plan_arrays_numpy`): the same arrays."""
+    native = cpu_kernels.pass_planner()
+    if native is not None:
+        out = native.plan_arrays(
+            fwd.token_indptr,
+            fwd.tokens,
+            fwd.positions,
+            fwd.page_indptr,
+            fwd.pages,
+            fwd.last_page_len,
+            fwd.out_indptr,
+            fwd.out_rows,
+            fwd.probe_k,
+            limits.page_size,
+            limits.num_pages,
+            limits.vocab_size,
+            limits.max_context,
+            limits.max_probe_k,
+        )
+        if out is not None:  # None: arrays that do not fit together, which the numpy code refuses
+            if len(out) == 2:
+                raise RequestRejected(*out)
+            return tuple(out)
+    return _plan_arrays_numpy(fwd, limits)
+
+
+def _plan_arrays_numpy(fwd: Forward, limits: CacheLimits) -> _PlanArrays:
     num_tokens, num_pages, kv_len = _check(fwd, limits)
     ps = limits.page_size
     n_req = len(num_tokens)
@@ -123,10 +155,33 @@ def build_plan(fwd: Forward, limits: CacheLimits, device: torch.device) -> PassP
         at = np.minimum(page_ptr[:-1, None] + page_col, fwd.pages.size - 1)
         page_table = np.where(page_col < num_pages[:, None], fwd.pages[at], 0).astype(np.int32)
     out_tokens = np.repeat(tok_ptr[:-1], _counts(fwd.out_indptr)) + fwd.out_rows.astype(np.int64)
+    tokens, positions = fwd.tokens.astype(np.int64), fwd.positions.astype(np.int64)
+    return (
+        num_tokens,
+        kv_len,
+        token_request,
+        q_slot,
+        slots,
+        q_valid,
+        q_index,
+        page_table,
+        out_tokens,
+        tok_ptr[:-1],
+        tokens,
+        positions,
+    )
+
+
+def build_plan(fwd: Forward, limits: CacheLimits, device: torch.device) -> PassPlan:
+    """The pass's tensors (from `_plan_arrays`), and its user mask where it has one."""
+    arrays = _plan_arrays(fwd, limits)
+    num_tokens, kv_len, token_request, q_slot, slots, q_valid, q_index, page_table, out_tokens, q_start = arrays[:10]
+    check_mask_rows(fwd.mask_req_indptr, fwd.mask_row_indptr, fwd.mask_runs, num_tokens, kv_len)
 
     def t(a: npt.NDArray[np.generic], dtype: torch.dtype = torch.long) -> torch.Tensor:
         # Arrays decoded from a frame are read-only views of it; torch wants writable memory.
-        return torch.as_tensor(a if a.flags.writeable else a.copy()).to(device=device, dtype=dtype)
+        tensor = torch.from_numpy(a if a.flags.writeable else a.copy())
+        return tensor if tensor.dtype == dtype and device.type == "cpu" else tensor.to(device=device, dtype=dtype)
 
     user_mask = None
     if fwd.mask_runs.size or int(fwd.mask_req_indptr[-1]) > 0:
@@ -134,13 +189,14 @@ def build_plan(fwd: Forward, limits: CacheLimits, device: torch.device) -> PassP
         rows = decode_brle_rows(t(fwd.mask_row_indptr), t(fwd.mask_runs), max_kv)
         user_mask = torch.ones(len(token_request), max_kv, dtype=torch.bool, device=device)
         row_ptr = fwd.mask_req_indptr.astype(np.int64)
+        tok_ptr = fwd.token_indptr.astype(np.int64)
         masked_tokens = np.concatenate(
-            [np.arange(tok_ptr[r], tok_ptr[r + 1]) for r in range(n_req) if row_ptr[r + 1] > row_ptr[r]]
+            [np.arange(tok_ptr[r], tok_ptr[r + 1]) for r in range(len(num_tokens)) if row_ptr[r + 1] > row_ptr[r]]
         )
         user_mask[t(masked_tokens)] = rows
     return PassPlan(
-        tokens=t(fwd.tokens),
-        positions=t(fwd.positions),
+        tokens=t(arrays[10]),
+        positions=t(arrays[11]),
         slots=t(slots),
         q_slot=t(q_slot),
         token_request=t(token_request),
@@ -148,7 +204,7 @@ def build_plan(fwd: Forward, limits: CacheLimits, device: torch.device) -> PassP
         q_valid=t(q_valid, torch.bool),
         kv_len=t(kv_len),
         num_q=t(num_tokens),
-        q_start=t(tok_ptr[:-1]),
+        q_start=t(q_start),
         page_table=t(page_table, torch.int32),
         user_mask=user_mask,
         out_tokens=t(out_tokens),
@@ -167,12 +223,46 @@ def family_keys(plan: PassPlan, window: int, num_sinks: int, page_size: int) -> 
 
     A windowed family reads only the sink slots and the slots some query of the request can still
     see, so its key count differs from kv_len: the user mask (defined over kv_len keys) is
-    gathered at the real key slots rather than reused positionally. Built in numpy, a few whole-
-    array operations for every request at once (a decode step makes this once a pass, on the host
-    between two forward passes)."""
+    gathered at the real key slots rather than reused positionally. The keys and the causal,
+    window and sink masks come from C++ once the kernels are loaded (`pass_plan.cpp`, one call),
+    else from numpy, a few whole-array operations for every request at once (the same arrays: a
+    decode step makes them once a pass, on the host between two forward passes)."""
     if window in plan.families:
         return plan.families[window]
     device = plan.tokens.device
+    native = cpu_kernels.pass_planner()
+    if native is not None:
+        arrays = native.family_arrays(
+            plan.kv_len_np,
+            plan.num_q_np,
+            plan.page_table_np,
+            plan.q_slot_np,
+            plan.q_index_np,
+            plan.q_valid_np,
+            window,
+            num_sinks,
+            page_size,
+        )
+    else:
+        arrays = _family_arrays_numpy(plan, window, num_sinks, page_size)
+    index, slot, allowed_np, empty_np, safe_np = (torch.from_numpy(a).to(device) for a in arrays)
+    if plan.user_mask is None:
+        allowed, empty, safe = allowed_np, empty_np, safe_np
+    else:
+        user = plan.user_mask[plan.q_index]  # [B, Tq, max_kv]
+        gathered = torch.gather(user, 2, slot.clamp(min=0)[:, None, :].expand(-1, user.shape[1], -1))
+        allowed = allowed_np & gathered
+        empty = ~allowed.any(-1)
+        safe = allowed | empty[..., None]
+    fam = FamilyKeys(window, index, slot, allowed, empty, safe)
+    plan.families[window] = fam
+    return fam
+
+
+def _family_arrays_numpy(
+    plan: PassPlan, window: int, num_sinks: int, page_size: int
+) -> tuple[npt.NDArray[np.generic], ...]:
+    """A family's (index, slot, allowed, empty, safe) before the user mask, in numpy."""
     kv, nq = plan.kv_len_np, plan.num_q_np
     # Request r reads its first `sinks[r]` slots, then slots start[r] .. kv[r] - 1.
     start = np.maximum(kv - nq - window + 1, 0) if window else np.zeros_like(kv)
@@ -186,22 +276,11 @@ def family_keys(plan: PassPlan, window: int, num_sinks: int, page_size: int) -> 
     rows = np.arange(len(kv))[:, None]
     pages = plan.page_table_np[rows, safe_slot // page_size].astype(np.int64)
     index = np.where(slot >= 0, pages * page_size + safe_slot % page_size, 0)
-    q_slot = np.where(plan.q_valid_np, plan.q_slot_np[plan.q_index_np], -1)  # [B, Tq]
+    q_slot = np.full(plan.q_index_np.shape, -1)  # [B, Tq]
+    q_slot[plan.q_valid_np] = plan.q_slot_np[plan.q_index_np[plan.q_valid_np]]
     ks, qs = slot[:, None, :], q_slot[:, :, None]
-    allowed_np = (ks >= 0) & (ks <= qs)
+    allowed = (ks >= 0) & (ks <= qs)
     if window:
-        allowed_np &= (ks > qs - window) | (ks < num_sinks)
-    key_slot = torch.from_numpy(slot).to(device)
-    if plan.user_mask is None:
-        empty_np = ~allowed_np.any(-1)
-        allowed, empty = torch.from_numpy(allowed_np).to(device), torch.from_numpy(empty_np).to(device)
-        safe = torch.from_numpy(allowed_np | empty_np[..., None]).to(device)
-    else:
-        user = plan.user_mask[plan.q_index]  # [B, Tq, max_kv]
-        gathered = torch.gather(user, 2, key_slot.clamp(min=0)[:, None, :].expand(-1, user.shape[1], -1))
-        allowed = torch.from_numpy(allowed_np).to(device) & gathered
-        empty = ~allowed.any(-1)
-        safe = allowed | empty[..., None]
-    fam = FamilyKeys(window, torch.from_numpy(index).to(device), key_slot, allowed, empty, safe)
-    plan.families[window] = fam
-    return fam
+        allowed &= (ks > qs - window) | (ks < num_sinks)
+    empty = ~allowed.any(-1)
+    return index, slot, allowed, empty, allowed | empty[..., None]

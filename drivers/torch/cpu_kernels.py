@@ -7,7 +7,10 @@ torch's extension directory) and registered as opaque ops that torch.compile cal
 - `torch.ops.wafer.decode_attention` (`decode_attention.cpp`): float32 attention of one query per
   request over keys read in place from the paged cache (`paged_attention.attend_keys`);
 - `torch.ops.wafer.argmax_rows` (`argmax.cpp`): each row's first maximum, for greedy sampling
-  (`argmax_rows` below).
+  (`argmax_rows` below);
+- and, not an op, `pass_planner()` (`pass_plan.cpp`, the build loaded as a Python module): a
+  pass's checks, layout and attention keys from the request's numpy arrays in one call, the same
+  arrays as batch_plan.py's numpy code.
 
 Each kernel holds variants for several instruction sets (`cpu_features.h`: avx512_vnni, avx512,
 avx2_vnni, avx2, portable) and runs the best one the CPU has at each call; `variants()` says which,
@@ -24,6 +27,7 @@ import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -31,7 +35,8 @@ from drivers.torch.progress import Progress
 
 log = logging.getLogger(__name__)
 SOURCES = tuple(
-    Path(__file__).with_name(n) for n in ("cpu_isa.cpp", "w8a8_kernel.cpp", "decode_attention.cpp", "argmax.cpp")
+    Path(__file__).with_name(n)
+    for n in ("cpu_isa.cpp", "w8a8_kernel.cpp", "decode_attention.cpp", "argmax.cpp", "pass_plan.cpp")
 )
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_features.h", "w8a8_avx2.inc"))
 ISAS = ("portable", "avx2", "avx2_vnni", "avx512", "avx512_vnni")  # cpu_features.h's levels, lowest first
@@ -39,6 +44,7 @@ KERNELS = ("w8a8", "decode_attention", "argmax")
 # -fopenmp: ATen's `parallel_for` is OpenMP in headers; without it the kernels run on one thread.
 FLAGS = ["-O3", "-fopenmp"]
 _state: dict[str, bool] = {}  # "loaded": the outcome of the first `load()` of this process
+_module: list[ModuleType] = []  # the build as a Python module (`pass_plan.cpp`'s functions), once loaded
 
 
 def _fake_linear(
@@ -118,13 +124,13 @@ def _build(show_progress: bool) -> bool:
     try:
         directory = build_directory(name)
         with _one_builder(directory):
-            cpp_extension.load(
+            module = cpp_extension.load(
                 name,
                 [str(s) for s in SOURCES],
                 extra_cflags=FLAGS,
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(directory),
-                is_python_module=False,
+                is_python_module=True,
                 verbose=False,
             )
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler, a failed build or load
@@ -133,6 +139,7 @@ def _build(show_progress: bool) -> bool:
         log.warning("C++ CPU kernels not built (%s): the torch paths run instead", reason.strip())
         return False
     progress.update(1)
+    _module.append(module)
     torch.library.register_fake("wafer::w8a8_linear")(_fake_linear)
     torch.library.register_fake("wafer::decode_attention")(_fake_attention)
     torch.library.register_fake("wafer::argmax_rows")(_fake_argmax)
@@ -186,6 +193,11 @@ def describe() -> str:
     if all(v == "portable" for v in chosen.values()):
         line += " (no vector variant for this CPU: correct, not fast)"
     return f"{line}; CPU supports {' '.join(cpu_isas())}"
+
+
+def pass_planner() -> ModuleType | None:
+    """`pass_plan.cpp`'s functions once `load()` built them (this never builds), else None."""
+    return _module[0] if _module else None
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

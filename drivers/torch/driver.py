@@ -259,15 +259,17 @@ class TorchDriver:
         """Check `request` against this driver's state and plan it; raises before any compute."""
         if self.cache is None or self.limits is None:
             raise RequestRejected("no handshake yet", "id")
-        bad = [int(a) for a in request.adapter_ids if a >= 0 and int(a) not in self.adapters]
-        if bad:
-            raise RequestRejected(f"adapter {bad[0]} is not loaded", "adapter_ids")
+        ids = request.adapter_ids
+        adapted = ids.size > 0 and int(ids.max()) >= 0  # most passes run the base model only
+        if adapted:
+            bad = [int(a) for a in ids if a >= 0 and int(a) not in self.adapters]
+            if bad:
+                raise RequestRejected(f"adapter {bad[0]} is not loaded", "adapter_ids")
         plan = build_plan(request, self.limits, self.device)
-        lora = None
-        if np.any(request.adapter_ids >= 0):
-            token_adapter = np.repeat(request.adapter_ids.astype(np.int64), plan.num_q_np)
-            lora = LoraBatch(self.adapters, token_adapter, self.device)
-        return plan, lora
+        if not adapted:
+            return plan, None
+        token_adapter = np.repeat(ids.astype(np.int64), plan.num_q_np)
+        return plan, LoraBatch(self.adapters, token_adapter, self.device)
 
     def run_model(self, plan: PassPlan, lora: LoraBatch | None, rows: torch.Tensor) -> torch.Tensor:
         """Run the model over a planned pass (writing its KV); float32 logits [len(rows), V]."""

@@ -141,7 +141,7 @@ class PagedAttention:
         plan = self.plan
         fam = family_keys(plan, window, self.cfg.num_sink_tokens, self.cache.page_size)
         q_index, key_index, mask, empty = plan.q_index, fam.key_index, fam.safe_mask, fam.empty
-        (b, tq), num_keys = q_index.shape, key_index.shape[1]
+        b, num_keys = q_index.shape[0], key_index.shape[1]
         pad_k = max(2 - num_keys, 0) if self.for_compiled else 0
         pad_b = max(2 - b, 0) if self.for_compiled and len(plan.tokens) > 1 else 0
         # `q_index` stays the plan's own tensor unless requests are padded: the compiled stack
@@ -152,5 +152,5 @@ class PagedAttention:
         if pad_b or pad_k:
             key_index = F.pad(key_index, (0, pad_k, 0, pad_b))
             mask = F.pad(mask, (0, pad_k, 0, 0, 0, pad_b), value=False) | empty[..., None]
-        valid = (np.arange(b)[:, None] * q_index.shape[1] + np.arange(tq))[plan.q_valid_np]
+        valid = np.flatnonzero(plan.q_valid_np)  # [b, tq] in row order: the valid rows' flat index
         return q_index, key_index, mask, empty, torch.from_numpy(valid).to(q_index.device)

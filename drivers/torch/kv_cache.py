@@ -4,9 +4,23 @@ spare slot past the pages (`spare_slot`) takes the writes of padding rows (CUDA 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from drivers.errors import RequestRejected
+from drivers.torch import weight_arena
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeroed page memory; on the CPU on transparent huge pages where the OS allows it, as the
+    int8 weights: decode attention reads each key's row at its own place in the pages, and on
+    4 KiB pages a long context's rows span more pages than the TLB holds."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    buffer, _ = weight_arena.allocate(count * torch.empty(0, dtype=dtype).element_size())
+    return buffer.view(dtype).view(shape)
 
 
 class PagedKVCache:
@@ -24,8 +38,8 @@ class PagedKVCache:
         self.page_size = page_size
         self.spare_slot = num_pages * page_size
         shape = (num_layers, num_pages * page_size + 1, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = _zeros(shape, dtype, device)
+        self.v = _zeros(shape, dtype, device)
         # Each layer's pages as a view made once: a decode step hands 60 of them to the compiled
         # stack, and making them anew cost ~1.5 us each, every step. Writes go through them in place.
         self.k_layers = self.k.unbind(0)

@@ -1,6 +1,6 @@
 """Packed int8 weights (`weight_arena.py`): one buffer, step order, 64-byte aligned starts, advised
 onto huge pages where the OS allows it and plain pages where not; a packed model's logits equal an
-unpacked one's bit for bit."""
+unpacked one's bit for bit. The CPU KV cache's pages come from the same allocator."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from bridge_schema.messages import Hello
 from drivers.torch import weight_arena
 from drivers.torch.driver import DriverOptions, TorchDriver
+from drivers.torch.kv_cache import PagedKVCache
 from tests.drivers.torch.helpers import forward, load_dir, random_tokens, request, write_tiny_llama
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -68,6 +69,23 @@ def test_buffer_is_advised_onto_huge_pages() -> None:
     buffer, huge = weight_arena.allocate(5 << 20)
     assert huge and buffer.data_ptr() % weight_arena.HUGE_PAGE_BYTES == 0
     assert _smaps_field(buffer.data_ptr(), "THPeligible") == "1"
+
+
+@pytest.mark.skipif(
+    not THP_MODE.exists() or "[never]" in THP_MODE.read_text() or not hasattr(mmap, "MADV_HUGEPAGE"),
+    reason="transparent huge pages are off (or madvise is missing) here",
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_pages_are_advised_onto_huge_pages(dtype: torch.dtype) -> None:
+    """The CPU KV cache is page memory like the weights: zeroed, of its dtype and shape, on a
+    THP-eligible mapping (decode attention reads a long context's rows across many pages)."""
+    cache = PagedKVCache(3, 40, 16, 2, 64, dtype, torch.device("cpu"))
+    for pages in (cache.k, cache.v):
+        assert pages.dtype == dtype and pages.shape == (3, 40 * 16 + 1, 2, 64) and pages.is_contiguous()
+        assert not pages.any()
+        assert _smaps_field(pages.data_ptr(), "THPeligible") == "1"
+    cache.k_layers[1][5] = 1.0  # the per-layer views write the pages in place
+    assert cache.k[1, 5].eq(1.0).all() and int(cache.k.ne(0).sum()) == 2 * 64
 
 
 @pytest.mark.parametrize(("weights", "dtype"), [("w8a8", "float32"), ("int8", "bfloat16")])

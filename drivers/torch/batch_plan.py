@@ -174,8 +174,8 @@ def _plan_arrays_numpy(fwd: Forward, limits: CacheLimits) -> _PlanArrays:
 
 def build_plan(fwd: Forward, limits: CacheLimits, device: torch.device) -> PassPlan:
     """The pass's tensors (from `_plan_arrays`), and its user mask where it has one."""
-    arrays = _plan_arrays(fwd, limits)
-    num_tokens, kv_len, token_request, q_slot, slots, q_valid, q_index, page_table, out_tokens, q_start = arrays[:10]
+    (num_tokens, kv_len, token_request, q_slot, slots, q_valid, q_index, page_table, out_tokens, q_start, tokens,
+     positions) = _plan_arrays(fwd, limits)
     check_mask_rows(fwd.mask_req_indptr, fwd.mask_row_indptr, fwd.mask_runs, num_tokens, kv_len)
 
     def t(a: npt.NDArray[np.generic], dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -189,14 +189,13 @@ def build_plan(fwd: Forward, limits: CacheLimits, device: torch.device) -> PassP
         rows = decode_brle_rows(t(fwd.mask_row_indptr), t(fwd.mask_runs), max_kv)
         user_mask = torch.ones(len(token_request), max_kv, dtype=torch.bool, device=device)
         row_ptr = fwd.mask_req_indptr.astype(np.int64)
-        tok_ptr = fwd.token_indptr.astype(np.int64)
         masked_tokens = np.concatenate(
-            [np.arange(tok_ptr[r], tok_ptr[r + 1]) for r in range(len(num_tokens)) if row_ptr[r + 1] > row_ptr[r]]
+            [q_start[r] + np.arange(num_tokens[r]) for r in range(len(num_tokens)) if row_ptr[r + 1] > row_ptr[r]]
         )
         user_mask[t(masked_tokens)] = rows
     return PassPlan(
-        tokens=t(arrays[10]),
-        positions=t(arrays[11]),
+        tokens=t(tokens),
+        positions=t(positions),
         slots=t(slots),
         q_slot=t(q_slot),
         token_request=t(token_request),

@@ -18,8 +18,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     4 KiB pages a long context's rows span more pages than the TLB holds."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    count = math.prod(shape)
-    buffer, _ = weight_arena.allocate(count * torch.empty(0, dtype=dtype).element_size())
+    buffer, _ = weight_arena.allocate(math.prod(shape) * dtype.itemsize)
     return buffer.view(dtype).view(shape)
 
 

@@ -271,7 +271,21 @@ def cpu_description() -> dict[str, object]:
         "features": vector,
         "kernel_isas": cpu_kernels.cpu_isas() if loaded else [],
         "kernels": cpu_kernels.variants() if loaded else {},
+        # torch's own kernels and Inductor's generated code: ATEN_CPU_CAPABILITY caps both.
+        "torch_isa": torch.backends.cpu.get_cpu_capability(),
     }
+
+
+def torch_cap_note(specs: list[str], torch_isa: str) -> str:
+    """A line for entries capped below AVX-512 while torch's kernels and the compiled graphs' code
+    still use AVX-512: such an entry is the AVX2 C++ kernels on this CPU, not an AVX2-only CPU."""
+    low = [s for s in specs if isa_of(s) in ("avx2", "avx2_vnni", "portable")]
+    if not low or not torch_isa.startswith("AVX512"):
+        return ""
+    return (
+        f"note: {', '.join(low)} cap the C++ kernels only; torch's own kernels and Inductor's generated code run "
+        f"{torch_isa} (ATEN_CPU_CAPABILITY=avx2 in the environment caps them too)"
+    )
 
 
 def bench_llamacpp(prompt: list[int], new_tokens: int, threads: int) -> tuple[float, float]:
@@ -336,7 +350,10 @@ def main() -> None:
     print(f"threads: {torch.get_num_threads()} (of {os.cpu_count()} cores); torch {torch.__version__}", flush=True)
     cpu = cpu_description()
     print(f"CPU: {cpu['model']}; features: {' '.join(cpu['features'])}", flush=True)  # type: ignore[arg-type]
-    print(f"C++ kernels: {cpu['kernels']} (CPU levels {cpu['kernel_isas']})", flush=True)
+    print(f"C++ kernels: {cpu['kernels']} (CPU levels {cpu['kernel_isas']}); torch: {cpu['torch_isa']}", flush=True)
+    note = torch_cap_note(args.dtype.split(","), str(cpu["torch_isa"]))
+    if note:
+        print(note, flush=True)
     ckpt = load_checkpoint("smollm2")
     if args.interleave:
         interleaved(args, ckpt)

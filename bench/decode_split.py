@@ -27,9 +27,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode import _request, bench_ours, capped, cpu_description, make_driver, read_bandwidth_gbs
+from decode import (
+    _request,
+    bench_ours,
+    capped,
+    cpu_description,
+    make_driver,
+    read_bandwidth_gbs,
+    torch_cap_note,
+)
 
 from bridge_schema.batch import build_forward
+from drivers.torch import cpu_kernels
 from drivers.torch.checkpoint import load_checkpoint
 from drivers.torch.driver import TorchDriver
 from drivers.torch.paged_attention import PagedAttention
@@ -128,7 +137,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cpu = cpu_description()
-    print(f"CPU: {cpu['model']}; kernels: {cpu['kernels']}; threads {torch.get_num_threads()}")
+    with capped(args.dtype):
+        kernels = cpu_kernels.variants() if cpu["kernels"] else {}
+    print(
+        f"CPU: {cpu['model']}; kernels (under the entry's cap): {kernels}; torch: {cpu['torch_isa']}; "
+        f"threads {torch.get_num_threads()}"
+    )
+    note = torch_cap_note([args.dtype], str(cpu["torch_isa"]))
+    if note:
+        print(note)
     log("loading SmolLM2 and starting the driver (a first --compile start compiles for minutes) ...")
     ckpt = load_checkpoint("smollm2", show_progress=False)
     with capped(args.dtype):

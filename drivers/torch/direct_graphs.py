@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch._inductor.compile_fx import compile_fx
+from torch._inductor.cpu_vec_isa import pick_vec_isa
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 log = logging.getLogger(__name__)
@@ -53,9 +54,14 @@ def _flat(value: Any) -> list[Any]:
 
 
 class _CacheKey(CustomGraphPass):
-    """A graph pass that changes nothing and adds `key` to Inductor's cache key (Inductor hashes a
-    custom pass's `uuid`). Inductor's on-disk cache does not see what an opaque custom op's fake
-    implementation returns: a graph compiled against an older C++ op would be loaded as is."""
+    """A graph pass that changes nothing and adds `key` and the vector ISA Inductor generates C++
+    for to its cache key (Inductor hashes a custom pass's `uuid`). Its on-disk cache sees neither:
+    - what an opaque custom op's fake implementation returns: a graph compiled against an older C++
+      op would be loaded as is;
+    - the vector ISA (torch 2.13): a graph whose C++ was written for AVX2 (`ATEN_CPU_CAPABILITY=avx2`,
+      or a cache made on an AVX2-only CPU) was loaded on an AVX-512 one and its source compiled
+      there with AVX-512's 16-float vectors, for loops written to step by 8: each loop's last store
+      wrote past its buffer (glibc: "corrupted size vs. prev_size")."""
 
     def __init__(self, key: str) -> None:
         self.key = key
@@ -64,7 +70,8 @@ class _CacheKey(CustomGraphPass):
         return None
 
     def uuid(self) -> str:
-        return self.key
+        # Read at each compile, as Inductor's code generation reads it (the environment included).
+        return f"{self.key}|vec_isa={pick_vec_isa()}"
 
 
 def _own_copy(fn: Callable[..., Any]) -> types.FunctionType:
@@ -78,9 +85,9 @@ def _own_copy(fn: Callable[..., Any]) -> types.FunctionType:
 
 class DirectGraphs:
     """`cache_key`: what Inductor's on-disk cache cannot see but the compiled graphs depend on
-    (e.g. the sources of the custom ops they call); graphs compiled under another key are not
-    reused. `before_dynamo(*args)`: called before a call goes through dynamo (which may compile),
-    e.g. to mark sizes dynamic; direct calls skip it."""
+    (e.g. the sources of the custom ops they call); graphs compiled under another key, or for
+    another vector ISA, are not reused. `before_dynamo(*args)`: called before a call goes through
+    dynamo (which may compile), e.g. to mark sizes dynamic; direct calls skip it."""
 
     def __init__(
         self,
@@ -91,8 +98,7 @@ class DirectGraphs:
     ) -> None:
         self._fn = _own_copy(fn)
         self._inductor_options: dict[str, Any] = dict(INDUCTOR_OPTIONS)
-        if cache_key:
-            self._inductor_options["post_grad_custom_post_pass"] = _CacheKey(cache_key)
+        self._inductor_options["post_grad_custom_post_pass"] = _CacheKey(cache_key)
         self._names = list(inspect.signature(fn).parameters)
         unknown = set(frozen) - set(self._names)
         assert not unknown, f"frozen names no argument of {fn.__name__}: {sorted(unknown)}"

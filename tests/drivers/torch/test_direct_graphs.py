@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 
 from drivers.torch.direct_graphs import DirectGraphs, FrozenArgumentChanged
 
@@ -100,6 +101,31 @@ def test_graphs_compiled_under_another_cache_key_are_not_reused() -> None:
         after = _cache_counts()
         outcomes.append("hit" if after[0] > before[0] else "miss" if after[1] > before[1] else "none")
     assert outcomes == ["miss", "hit", "miss"]
+
+
+def test_graphs_compiled_for_another_vector_isa_are_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor's on-disk cache (torch 2.13) does not key on the vector ISA it writes C++ for: a
+    graph written for AVX2 was loaded on AVX-512 and compiled there with 16-float vectors, and its
+    loops' last stores wrote past their buffers (a heap corruption). Here the lower ISA comes from
+    `ATEN_CPU_CAPABILITY`, which Inductor reads at each compile; the lower one is loaded second, so
+    that a regression fails this test (a graph for the wider vectors computes wrong values there)
+    rather than corrupting the heap of the test run."""
+    isas = [str(isa) for isa in valid_vec_isa_list()]
+    if not isas:
+        pytest.skip("Inductor has no vector ISA on this CPU")
+    lower = "avx2" if any("avx512" in isa for isa in isas) else "default"
+    key = f"test-{uuid.uuid4()}"
+    outcomes = []
+    for capability in (None, lower, None):
+        if capability is None:
+            monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+        else:
+            monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
+        before = _cache_counts()
+        assert torch.equal(DirectGraphs(_plus_one, key)(torch.ones(37)), torch.full((37,), 3.0))
+        after = _cache_counts()
+        outcomes.append("hit" if after[0] > before[0] else "miss" if after[1] > before[1] else "none")
+    assert outcomes == ["miss", "miss", "hit"]
 
 
 def _cache_counts() -> tuple[int, int]:

@@ -24,6 +24,7 @@ import contextlib
 import fcntl
 import hashlib
 import logging
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,7 +89,9 @@ def build_directory(name: str) -> Path:
     from torch.utils import cpp_extension
 
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
-    directory = Path(cpp_extension.get_default_build_root()) / f"{name}-{python}-torch{torch.__version__}"
+    # torch's loader reads TORCH_EXTENSIONS_DIR itself; `get_default_build_root` does not.
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    directory = Path(root) / f"{name}-{python}-torch{torch.__version__}"
     directory.mkdir(parents=True, exist_ok=True)
     return directory
 

@@ -292,6 +292,17 @@ def test_a_failed_build_says_why(monkeypatch: pytest.MonkeyPatch, caplog: pytest
     assert "error: no avx512" in caplog.text
 
 
+def test_the_build_goes_where_torch_extensions_dir_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TORCH_EXTENSIONS_DIR moves the build (torch's own loader honours it; a read-only home
+    needs it), and without it the build goes to torch's default root."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    directory = cpu_kernels.build_directory("wafer_cpu_test")
+    assert directory.parent == tmp_path / "ext" and directory.is_dir()
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    assert cpu_kernels.build_directory("wafer_cpu_test").parent == Path(cpp_extension.get_default_build_root())
+    cpu_kernels.build_directory("wafer_cpu_test").rmdir()
+
+
 def test_a_build_killed_halfway_does_not_block_the_next_start(kernel: None) -> None:
     """torch's loader waits for as long as its lock file exists; a driver killed while it built
     the kernels left one behind, and every later start hung. The next start goes on now."""

@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 # One thread for torch and BLAS in tests: on 2 cores, two threads collapse when anything else runs.
 TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TORCH_NUM_THREADS=1
 
-.PHONY: run demo test lint bench bench-decode gpu-check gpu-check-with venv clean
+.PHONY: run demo test lint bench bench-decode asan-check gpu-check gpu-check-with venv clean
 
 $(STAMP): pyproject.toml
 	@echo "==> bootstrapping $(VENV) (first run takes a few minutes)"
@@ -49,6 +49,15 @@ bench: $(STAMP)
 bench-decode: $(STAMP)  # SmolLM2: decode vs transformers, prefix reuse and spec_ngram (several minutes)
 	$(PY) bench/decode.py
 	$(PY) bench/prefix_spec.py
+
+# Kernel development (not part of `make test`): the C++ kernels built with AddressSanitizer (a
+# build of their own) under their tests and the torch driver's, in a Python that preloads libasan
+# (and libstdc++, whose exceptions ASan must intercept). An out-of-bounds access stops the run with
+# ASan's report. ~10 minutes on 2 cores (~3 of them the first build).
+ASAN_LIBS = $$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libstdc++.so)
+asan-check: $(STAMP)
+	WAFER_SANITIZE=address LD_PRELOAD="$(ASAN_LIBS)" ASAN_OPTIONS=detect_leaks=0 OMP_NUM_THREADS=2 \
+		$(PY) -m pytest -q -s -p no:cacheprovider tests/drivers/torch
 
 # On a machine with a CUDA GPU (never in CI): the Triton kernel tests compiled for CUDA, SmolLM2's
 # greedy tokens on the GPU against the CPU path's, and bench/decode.py --device cuda (~5 minutes).

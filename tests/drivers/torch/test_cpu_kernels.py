@@ -23,6 +23,7 @@ import logging
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -301,6 +302,32 @@ def test_the_build_goes_where_torch_extensions_dir_says(tmp_path: Path, monkeypa
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
     assert cpu_kernels.build_directory("wafer_cpu_test").parent == Path(cpp_extension.get_default_build_root())
     cpu_kernels.build_directory("wafer_cpu_test").rmdir()
+
+
+def test_the_build_compiles_copies_of_the_sources_in_its_own_folder(kernel: None) -> None:
+    """Two checkouts of the same sources share the build (its name is their hash); compiled from
+    each checkout's own paths, ninja saw a new command at every other start and rebuilt (~1 min).
+    The build compiles copies in its folder instead, the same paths from every checkout."""
+    directory = cpu_kernels.build_directory(f"wafer_cpu_{cpu_kernels.source_digest()}")
+    compiled = [line.split()[-1] for line in (directory / "build.ninja").read_text().splitlines()
+                if line.startswith("build ") and ": compile " in line]
+    assert sorted(Path(c).name for c in compiled) == sorted(s.name for s in cpu_kernels.SOURCES)
+    assert all(Path(c).parent == directory / "src" for c in compiled), compiled
+
+
+def test_staged_sources_are_written_only_when_they_differ(tmp_path: Path) -> None:
+    """An unchanged copy keeps its time stamp (ninja would rebuild from a newer one)."""
+    copies = cpu_kernels.staged_sources(tmp_path)
+    assert [c.read_bytes() for c in copies] == [s.read_bytes() for s in cpu_kernels.SOURCES]
+    headers = [tmp_path / "src" / h.name for h in cpu_kernels.HEADERS]
+    assert [h.read_bytes() for h in headers] == [h.read_bytes() for h in cpu_kernels.HEADERS]
+    stamps = [c.stat().st_mtime_ns for c in (*copies, *headers)]
+    time.sleep(0.01)
+    assert cpu_kernels.staged_sources(tmp_path) == copies
+    assert [c.stat().st_mtime_ns for c in (*copies, *headers)] == stamps
+    headers[0].write_text("// an older version\n")
+    cpu_kernels.staged_sources(tmp_path)
+    assert headers[0].read_bytes() == cpu_kernels.HEADERS[0].read_bytes()
 
 
 def test_a_build_killed_halfway_does_not_block_the_next_start(kernel: None) -> None:

@@ -91,13 +91,16 @@ def source_digest() -> str:
 
 def build_directory(name: str) -> Path:
     """Where the build named `name` is cached: torch's extension root (TORCH_EXTENSIONS_DIR, or
-    its default), one folder per Python and torch version."""
+    its default), one folder per Python version and torch install."""
     from torch.utils import cpp_extension
 
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
     # torch's loader reads TORCH_EXTENSIONS_DIR itself; `get_default_build_root` does not.
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    directory = Path(root) / f"{name}-{python}-torch{torch.__version__}"
+    # Two venvs of the same torch version compile with different include paths: one folder each
+    # (sharing one, each start from the other venv rebuilt it; see `staged_sources`).
+    where = hashlib.sha256(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:8]
+    directory = Path(root) / f"{name}-{python}-torch{torch.__version__}-{where}"
     directory.mkdir(parents=True, exist_ok=True)
     return directory
 
@@ -124,7 +127,7 @@ def staged_sources(directory: Path) -> list[Path]:
     """The kernels' sources and headers copied into `directory / "src"` (each written only where
     its bytes differ, so an unchanged copy keeps its time stamp); returns the sources' copies.
     The build compiles the copies: ninja rebuilds whenever a source's path in its command changes,
-    and two checkouts of the same sources (a worktree, a second venv) share the build by name, so
+    and two checkouts of the same sources (a worktree, a CI clone) share the build by name, so
     built from their own paths they rebuilt it in turn, ~1 minute at every other start."""
     src = directory / "src"
     src.mkdir(exist_ok=True)

@@ -315,6 +315,16 @@ def test_the_build_compiles_copies_of_the_sources_in_its_own_folder(kernel: None
     assert all(Path(c).parent == directory / "src" for c in compiled), compiled
 
 
+def test_each_torch_install_has_its_own_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two venvs with the same torch version compile with different include paths: sharing one
+    folder, each start from the other venv rebuilt the kernels (~35 s; seen with a CI clone's venv)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    here = cpu_kernels.build_directory("wafer_cpu_test")
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
+    there = cpu_kernels.build_directory("wafer_cpu_test")
+    assert here != there and here.parent == there.parent == tmp_path
+
+
 def test_staged_sources_are_written_only_when_they_differ(tmp_path: Path) -> None:
     """An unchanged copy keeps its time stamp (ninja would rebuild from a newer one)."""
     copies = cpu_kernels.staged_sources(tmp_path)

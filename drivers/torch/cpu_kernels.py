@@ -44,12 +44,12 @@ ISAS = ("portable", "avx2", "avx2_vnni", "avx512", "avx512_vnni")  # cpu_feature
 KERNELS = ("w8a8", "decode_attention", "argmax")
 # -fopenmp: ATen's `parallel_for` is OpenMP in headers; without it the kernels run on one thread.
 FLAGS = ["-O3", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 # Kernel development: WAFER_SANITIZE=address builds them with AddressSanitizer (a build of its own,
 # since the flags are part of its name), for a Python that preloads libasan (`make asan-check`).
-SANITIZE_FLAGS = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address"]
 if os.environ.get("WAFER_SANITIZE") == "address":
-    FLAGS = ["-fopenmp", *SANITIZE_FLAGS]
-LDFLAGS = ["-fopenmp", *(f for f in FLAGS if f.startswith("-fsanitize"))]
+    FLAGS = ["-fopenmp", "-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address"]
+    LDFLAGS = ["-fopenmp", "-fsanitize=address"]
 _state: dict[str, bool] = {}  # "loaded": the outcome of the first `load()` of this process
 _module: list[ModuleType] = []  # the build as a Python module (`pass_plan.cpp`'s functions), once loaded
 

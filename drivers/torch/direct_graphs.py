@@ -74,12 +74,19 @@ class _CacheKey(CustomGraphPass):
         return f"{self.key}|vec_isa={pick_vec_isa()}"
 
 
+_copies: dict[str, int] = {}  # copies made so far in this process, by function
+
+
 def _own_copy(fn: Callable[..., Any]) -> types.FunctionType:
     """`fn` with its own code object. Dynamo keeps graphs per code object and counts them against
     its recompile limit (8) there: without copies, a process compiling models of three dtypes or
-    weight kinds (three graphs each; the bench does) fails on the third."""
+    weight kinds (three graphs each; the bench does) fails on the third. Each copy has its own name
+    too (`fn#1`, `fn#2`, ... in the order made): dynamo keeps sizes it saw change ("automatic
+    dynamic") per file, line and name, so a second model with a cache of another size got its
+    frozen K/V pages compiled as dynamic sizes, with guards over them at every call."""
     assert isinstance(fn, types.FunctionType)
-    code = fn.__code__.replace()
+    n = _copies[fn.__qualname__] = _copies.get(fn.__qualname__, 0) + 1
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}#{n}")
     return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 

@@ -129,15 +129,19 @@ def test_decode_logits_are_the_same_bits_alone_and_in_a_batch(compiled: TorchDri
         assert torch.equal(alone[0], together[0]), f"step {step}: batch 1 and batch 3 differ"
 
 
-def test_the_decode_stack_has_no_guards_over_the_kv_cache(compiled: TorchDriver) -> None:
-    # The cache's 2 x layers page tensors are frozen arguments of the stack (the same tensors at
-    # every pass): ~480 of its ~700 guards were over them.
-    assert compiled.compiled is not None
-    entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(compiled.compiled._stack._fn.__code__)
+def _assert_no_guards_over_the_cache(drv: TorchDriver) -> None:
+    assert drv.compiled is not None
+    entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(drv.compiled._stack._fn.__code__)
     assert entries, "the warm-up compiled the stack"
     for entry in entries:
         guards = str(entry.guard_manager)
         assert "L['tokens']" in guards and "L['caches']" not in guards
+
+
+def test_the_decode_stack_has_no_guards_over_the_kv_cache(compiled: TorchDriver) -> None:
+    # The cache's 2 x layers page tensors are frozen arguments of the stack (the same tensors at
+    # every pass): ~480 of its ~700 guards were over them.
+    _assert_no_guards_over_the_cache(compiled)
 
 
 def test_a_new_cache_compiles_anew_and_decodes_like_eager(gemma: Checkpoint) -> None:
@@ -152,6 +156,9 @@ def test_a_new_cache_compiles_anew_and_decodes_like_eager(gemma: Checkpoint) -> 
         drv.handshake(Hello(num_pages=len(PAGES) + 8))
         assert drv.compiled is not first
         got = _decode(drv, prompts, steps=2)
+    # The new pages are frozen too, not sizes dynamo saw change (which made them symbols, with
+    # guards over them, when every copy of the stack shared one name).
+    _assert_no_guards_over_the_cache(drv)
     want = _decode(make_driver(gemma, page_size=PS, num_pages=len(PAGES)), prompts, steps=2)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=0)

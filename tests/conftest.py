@@ -2,36 +2,22 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.listening import wait_until_listening
 
 
 def start_dummy(socket_path: Path, *args: str) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "drivers.dummy", "--listen", f"unix:{socket_path}", "--log-level", "WARNING", *args]
     )
-    deadline = time.monotonic() + 30
-    while not _accepts(socket_path):  # the socket file exists a moment before it accepts
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"dummy driver did not start (exit status {proc.poll()})")
-        time.sleep(0.02)
+    wait_until_listening(socket_path, proc, 30)
     return proc
-
-
-def _accepts(socket_path: Path) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(str(socket_path))
-        except OSError:
-            return False
-    return True
 
 
 @pytest.fixture

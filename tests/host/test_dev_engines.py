@@ -10,13 +10,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from bridge_schema.batch import OutputSpec, Sampler
 from host.dev_engines import DevEngines
 from host.engine import Engine, EngineConfig, ReplicatedEngine
 from host.services import PassRequest
+from tests.listening import wait_until_listening
 
 ARGS = ("--num-pages", "64", "--page-size", "4")
 _runs = itertools.count(1)
@@ -85,10 +85,7 @@ def _outside_driver(tmp: str) -> tuple[subprocess.Popen[bytes], str]:
     """A dummy driver started by the test (as `wafer driver start` keeps one), listening."""
     address = f"unix:{Path(tmp) / 'd.sock'}"
     proc = subprocess.Popen([sys.executable, "-m", "drivers.dummy", "--listen", address, *ARGS])
-    deadline = time.monotonic() + 60
-    while not (Path(tmp) / "d.sock").exists():
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until_listening(Path(tmp) / "d.sock", proc, 60)
     return proc, address
 
 

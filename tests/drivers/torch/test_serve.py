@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from bridge_schema.errors import RemoteError
 from bridge_schema.messages import Ack, Copy, ForwardResult, Health, HealthReply, Hello, Status
 from bridge_schema.transport import connect
 from tests.drivers.torch.helpers import brle, forward, request, write_tiny_gemma
+from tests.listening import wait_until_listening
 
 pytestmark = pytest.mark.anyio
 
@@ -32,12 +32,7 @@ def address(tmp_path: Path) -> Iterator[str]:
     sock = tmp_path / "torch.sock"
     cmd = [sys.executable, "-m", "drivers.torch", "--model", str(model), "--threads", "1"]
     proc = subprocess.Popen([*cmd, "--listen", f"unix:{sock}", "--log-level", "WARNING"])
-    deadline = time.monotonic() + 120
-    while not sock.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"torch driver did not start (exit status {proc.poll()})")
-        time.sleep(0.05)
+    wait_until_listening(sock, proc, 120)
     yield f"unix:{sock}"
     proc.terminate()
     try:

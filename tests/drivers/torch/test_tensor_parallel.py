@@ -64,6 +64,7 @@ from tests.drivers.torch.helpers import (
     write_tiny_gemma,
     write_tiny_llama,
 )
+from tests.listening import wait_until_listening
 
 PAGE_SIZE = 4
 Run = Callable[[Message], Message]
@@ -82,12 +83,7 @@ def serving(
     cmd += ["--tensor-parallel", str(num_ranks), "--listen", f"unix:{sock}", "--log-level", "WARNING"]
     with log.open("wb") as err:
         proc = subprocess.Popen(cmd, stderr=err, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + 180
-    while not sock.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"TP driver did not start (status {proc.poll()}): {log.read_text()[-2000:]}")
-        time.sleep(0.05)
+    wait_until_listening(sock, proc, 180, log)
     try:
         yield f"unix:{sock}", proc, log
     finally:

@@ -572,7 +572,10 @@ def test_the_driver_reports_its_kernels_variants(
     with caplog.at_level(logging.INFO, logger="drivers.torch.driver"):
         drv = TorchDriver(ckpt, DriverOptions(weights="w8a8", num_pages=8))
     line = f"w8a8 {best['w8a8']}, decode_attention {best['decode_attention']}, argmax {best['argmax']}"
-    assert f"CPU kernels: {line}; CPU supports portable" in caplog.text
+    assert f"CPU kernels: {line}" in caplog.text and "; CPU supports portable" in caplog.text
+    # A CPU with no vector variant at all (an ARM CPU) says so in the same line.
+    no_vector = "(no vector variant for this CPU: correct, not fast)"
+    assert (no_vector in caplog.text) == all(v == "portable" for v in best.values())
     info = drv.handshake(Hello()).driver_info
     assert info["device"] == "cpu" and info["weights"] == "w8a8"
     assert str(info["cpu_kernels"]).startswith(line)
@@ -583,6 +586,8 @@ def test_the_driver_reports_its_kernels_variants(
 @needs_kernel
 def test_the_driver_names_the_faster_configuration(kernel: None, tmp_path: Path) -> None:
     ckpt = load_dir(write_tiny_llama(tmp_path / "m"))
+    if cpu_kernels.variants()["w8a8"] == "portable":  # an ARM CPU (the next test covers it)
+        pytest.skip(f"this CPU has no vector int8 kernel (supports {' '.join(cpu_kernels.cpu_isas())})")
     hint = TorchDriver(ckpt, DriverOptions(num_pages=8)).faster_configuration()
     assert hint.startswith("faster on this CPU: --weights w8a8 --compile (int8 matmuls run the ")
     assert f"the {cpu_kernels.variants()['w8a8']} kernel" in hint
@@ -590,7 +595,13 @@ def test_the_driver_names_the_faster_configuration(kernel: None, tmp_path: Path)
     w8a8 = TorchDriver(ckpt, DriverOptions(weights="w8a8", num_pages=8)).faster_configuration()
     assert w8a8.startswith("faster on this CPU: --compile (")
     assert TorchDriver(ckpt, DriverOptions(dtype="bfloat16", num_pages=8)).faster_configuration() == ""
-    with cpu_kernels.limit_isa("portable"):  # no fast int8 kernel: nothing to suggest
+
+
+@needs_kernel
+def test_no_faster_configuration_without_a_vector_int8_kernel(kernel: None, tmp_path: Path) -> None:
+    # The portable int8 kernel is correct, not fast: nothing to suggest (an ARM CPU, or the cap).
+    ckpt = load_dir(write_tiny_llama(tmp_path / "m"))
+    with cpu_kernels.limit_isa("portable"):
         assert TorchDriver(ckpt, DriverOptions(num_pages=8)).faster_configuration() == ""
 
 

@@ -25,6 +25,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -140,9 +141,26 @@ def staged_sources(directory: Path) -> list[Path]:
     return [src / path.name for path in SOURCES]
 
 
+def ninja_on_path() -> None:
+    """Put the `ninja` package's binary (a dependency of the torch extra) on PATH if no ninja is
+    there: torch's loader runs `ninja` from PATH, and a venv's bin folder is on PATH only when the
+    venv is activated, not when its python runs directly (`make run`, `.venv/bin/wafer`). Without
+    this, a machine with no system ninja silently ran the slower torch paths."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja  # type: ignore[import-not-found]
+    except ImportError:
+        return
+    folder = str(getattr(ninja, "BIN_DIR", Path(sys.executable).parent))
+    if shutil.which("ninja", path=folder):
+        os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
+
+
 def _build(show_progress: bool) -> bool:
     from torch.utils import cpp_extension
 
+    ninja_on_path()
     if not cpp_extension.is_ninja_available():
         log.warning("C++ CPU kernels not built (ninja is not installed): the torch paths run instead")
         return False

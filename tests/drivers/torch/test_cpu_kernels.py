@@ -20,6 +20,7 @@ paths, sliding windows and sinks included."""
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -48,6 +49,7 @@ from tests.drivers.torch.helpers import (
     write_tiny_llama,
 )
 
+cpu_kernels.ninja_on_path()  # as the build does: the `ninja` package's binary where PATH has none
 CAN_BUILD = cpp_extension.is_ninja_available() and shutil.which("c++") is not None
 needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="no C++ toolchain (ninja and c++) to build the kernel")
 # What each level needs beyond the one below it, for the skip reason.
@@ -237,6 +239,16 @@ def test_kernels_run_on_torchs_threads(kernel: None) -> None:
             assert torch.ops.wafer.parallel_threads() == threads
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_ninja_package_builds_where_path_has_no_ninja(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A venv's python run without activation (`make run`) on a machine with no system ninja: the
+    # `ninja` package's binary is not on PATH, and without it the kernels were never built.
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert not cpp_extension.is_ninja_available()
+    cpu_kernels.ninja_on_path()
+    assert cpp_extension.is_ninja_available()
+    assert os.environ["PATH"].endswith(os.pathsep + str(tmp_path))  # added before, nothing lost
 
 
 def test_without_a_toolchain_w8a8_says_why_and_keeps_the_torch_path(

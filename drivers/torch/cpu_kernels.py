@@ -158,8 +158,11 @@ def ninja_on_path() -> None:
 
 
 def _build(show_progress: bool) -> bool:
-    from torch.utils import cpp_extension
-
+    try:
+        from torch.utils import cpp_extension  # imports setuptools, which a venv may lack
+    except ImportError as exc:
+        log.warning("C++ CPU kernels not built (%s): the torch paths run instead", exc)
+        return False
     ninja_on_path()
     if not cpp_extension.is_ninja_available():
         log.warning("C++ CPU kernels not built (ninja is not installed): the torch paths run instead")

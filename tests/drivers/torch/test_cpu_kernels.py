@@ -251,6 +251,19 @@ def test_the_ninja_package_builds_where_path_has_no_ninja(tmp_path: Path, monkey
     assert os.environ["PATH"].endswith(os.pathsep + str(tmp_path))  # added before, nothing lost
 
 
+def test_without_torchs_extension_loader_the_kernels_say_why(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # torch.utils.cpp_extension imports setuptools, which a Python 3.12 venv does not have unless
+    # something installs it: the driver then starts on the torch paths, it does not crash.
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.delattr(torch.utils, "cpp_extension")
+    monkeypatch.setitem(sys.modules, "torch.utils.cpp_extension", None)  # importing it raises ImportError
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert not cpu_kernels.load(show_progress=False)
+    assert "C++ CPU kernels not built (" in caplog.text and "cpp_extension" in caplog.text
+
+
 def test_without_a_toolchain_w8a8_says_why_and_keeps_the_torch_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

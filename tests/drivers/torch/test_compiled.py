@@ -6,6 +6,7 @@ seconds)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from bridge_schema.messages import Adapter, Hello
 from drivers.errors import ConfigRejected
 from drivers.torch.checkpoint import Checkpoint
 from drivers.torch.compiled import CompiledModel
+from drivers.torch.cpu_layout import TransposedLinear
 from drivers.torch.driver import DriverOptions, TorchDriver
 from tests.drivers.torch.helpers import (
     brle,
@@ -114,9 +116,24 @@ def test_decode_pass_runs_the_stack_as_one_graph(
         torch.testing.assert_close(got, eager.logits(forward(quiet)), atol=1e-4, rtol=0)
 
 
+def _rows_of_a_matmul_depend_on_the_batch(drv: TorchDriver, rows: int) -> bool:
+    """Whether torch's float32 matmul gives a row other bits alone than among `rows` rows, for one
+    of the model's projections (`TransposedLinear`: x @ w). It does on aarch64 (torch's wheel
+    multiplies with NVPL BLAS) at every size; with MKL on x86 not at 1-3 rows."""
+    generator = torch.Generator().manual_seed(0)
+    for module in drv.model.modules():
+        if isinstance(module, TransposedLinear):
+            x = torch.randn(rows, module.weight_t.shape[0], generator=generator)
+            if not torch.equal((x[:1] @ module.weight_t)[0], (x @ module.weight_t)[0]):
+                return True
+    return False
+
+
 def test_decode_logits_are_the_same_bits_alone_and_in_a_batch(compiled: TorchDriver) -> None:
     # Batch 1 runs the stack's graph compiled for one token, larger batches the graph with a
     # symbolic batch size: a context's logits (embedding, RoPE and all) must not depend on which.
+    if _rows_of_a_matmul_depend_on_the_batch(compiled, 3):
+        pytest.skip(f"this CPU's float32 matmul gives a row other bits alone and among 3 rows ({_blas()})")
     prompts = [random_tokens(n, 96, seed=n) for n in (9, 5, 7)]
     specs = [request(p, 0, PAGES[3 * i :], PS, context_id=i) for i, p in enumerate(prompts)]
     compiled.logits(forward(specs))
@@ -127,6 +144,11 @@ def test_decode_logits_are_the_same_bits_alone_and_in_a_batch(compiled: TorchDri
         alone = compiled.logits(forward(steps[:1]))
         together = compiled.logits(forward(steps))
         assert torch.equal(alone[0], together[0]), f"step {step}: batch 1 and batch 3 differ"
+
+
+def _blas() -> str:
+    found = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
+    return f"BLAS: {found[1] if found else 'unknown'}"
 
 
 def _assert_no_guards_over_the_cache(drv: TorchDriver) -> None:

@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 # One thread for torch and BLAS in tests: on 2 cores, two threads collapse when anything else runs.
 TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TORCH_NUM_THREADS=1
 
-.PHONY: run demo test lint bench bench-decode asan-check gpu-check gpu-check-with venv clean
+.PHONY: run demo test lint bench bench-decode asan-check arm-check gpu-check gpu-check-with venv clean
 
 $(STAMP): pyproject.toml
 	@echo "==> bootstrapping $(VENV) (first run takes a few minutes)"
@@ -58,6 +58,13 @@ ASAN_LIBS = $$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=li
 asan-check: $(STAMP)
 	WAFER_SANITIZE=address LD_PRELOAD="$(ASAN_LIBS)" ASAN_OPTIONS=detect_leaks=0 OMP_NUM_THREADS=2 \
 		$(PY) -m pytest -q -s -p no:cacheprovider tests/drivers/torch
+
+# Kernel and driver work that must hold on ARM (not part of `make test`): tests on aarch64 under
+# qemu-user, a Neoverse N1 (tools/arm_check.sh: root on Debian 12; sets itself up in
+# /tmp/wafer-arm the first time, ~2 GB). ARM_TESTS picks the tests (the kernels' by default).
+ARM_TESTS ?= tests/drivers/torch/test_cpu_kernels.py
+arm-check: $(STAMP)
+	bash tools/arm_check.sh $(ARM_TESTS)
 
 # On a machine with a CUDA GPU (never in CI): the Triton kernel tests compiled for CUDA, SmolLM2's
 # greedy tokens on the GPU against the CPU path's, and bench/decode.py --device cuda (~5 minutes).

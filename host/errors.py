@@ -9,6 +9,7 @@
     │   └── PageQuotaExceeded   the run would hold more pages than its quota; nothing was allocated
     ├── DriverFailed            the driver answered a pass with an error, or the link to it broke
     ├── RunEnded                the run ended (or released the context) while its pass waited
+    ├── FeatureUnavailable      the feature needs an optional dependency that is not installed
     └── EngineClosed            the engine is shut down (or shutting down) and takes no more work
 
 Each message says what happened and, where it can, what to do about it.
@@ -63,6 +64,11 @@ class DriverFailed(HostError):
         super().__init__(message)
         self.status = status
         self.code = code
+
+
+class FeatureUnavailable(HostError):
+    """The feature needs an optional dependency (an extra of the `wafer` package) that this
+    installation lacks; the message names the extra to install."""
 
 
 class RunEnded(HostError):

@@ -23,7 +23,7 @@ from host.daemon.openai_models import (
     JsonSchemaResponseFormat,
     NamedToolChoice,
 )
-from host.errors import HostError
+from host.errors import FeatureUnavailable, HostError
 from host.services import ModelInfo, Tokenizer
 
 if TYPE_CHECKING:
@@ -264,10 +264,12 @@ def _check_response_format(req: ChatCompletionRequest, requires_json_word: bool)
 def _compile(grammars: GrammarSource, grammar: dict[str, Any]) -> None:
     """Compile now (it is cached for the chat inferlet's own compile): a schema the grammar
     engine refuses is a 400 before any generation starts."""
+    param = "tools" if grammar["kind"] == "tool-call" else "response_format"
     try:
         grammars().compile(grammar["kind"].replace("-", "_"), grammar["text"], grammar["options"])
+    except FeatureUnavailable as exc:
+        raise BadRequest(str(exc), param=param, code="grammar_unavailable") from None
     except HostError as exc:
-        param = "tools" if grammar["kind"] == "tool-call" else "response_format"
         raise BadRequest(f"the JSON schema cannot be enforced: {exc}", param=param, code="invalid_schema") from None
 
 

@@ -17,7 +17,7 @@ from host.engine.chain import Chain
 from host.engine.config import EngineConfig
 from host.engine.core import EngineCore
 from host.engine.loop import EngineLoop
-from host.errors import InvalidRequest
+from host.errors import FeatureUnavailable, InvalidRequest
 from host.services import ModelInfo, NextStep, PassRequest, PassResult, Tokenizer
 from host.waiting import result_in_slices
 
@@ -144,8 +144,12 @@ class Engine:
         xgrammar and building the token table take a second or two)."""
         with self._grammar_lock:
             if self._grammar_compiler is None:
-                from host.grammar import GrammarCompiler, TokenizerSpec
-
+                try:
+                    from host.grammar import GrammarCompiler, TokenizerSpec
+                except ImportError as exc:  # installed without the `grammar` extra
+                    raise FeatureUnavailable(
+                        f"grammar-constrained decoding needs the grammar extra (pip install 'wafer[grammar]'): {exc}"
+                    ) from None
                 budget = self.config.grammar_budget
                 self._grammar_compiler = GrammarCompiler(
                     TokenizerSpec.from_handshake(self._core.handshake),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from typing import Any
 
 import anyio
@@ -146,3 +147,24 @@ def test_a_prompt_past_what_one_run_may_hold_is_a_400_not_a_failed_run(
             assert error["code"] == "context_length_exceeded" and "128" in error["message"]
             body["prompt"] = [65] * 100
             assert http.post("/v1/completions", json=body).status_code == 200
+
+
+def test_without_the_grammar_extra_a_schema_is_a_400_naming_it(
+    server: Server, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # wafer installed without its `grammar` extra (no xgrammar): structured output and tools are
+    # refused with a 400 that says what to install, not a 500, and plain requests still work.
+    monkeypatch.setitem(sys.modules, "host.grammar", None)  # importing it raises ImportError
+    config = dataclasses.replace(server.config, port=_free_port(), data_dir=tmp_path_factory.mktemp("no-grammar-data"))
+    schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
+    chat = {"model": "dummy", "messages": [{"role": "user", "content": "json please"}], "max_tokens": 4}
+    refused = [({**chat, "response_format": schema}, "response_format"), ({**chat, "tools": [tool]}, "tools")]
+    with serving(config, server.echo_wasm) as srv, srv.http() as http:
+        for body, param in refused:
+            response = http.post("/v1/chat/completions", json=body)
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["code"] == "grammar_unavailable" and error["param"] == param, error
+            assert "pip install 'wafer[grammar]'" in error["message"], error
+        assert http.post("/v1/chat/completions", json=chat).status_code == 200

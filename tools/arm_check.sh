@@ -8,7 +8,8 @@
 #
 # What it sets up, in $WAFER_ARM_DIR (default /tmp/wafer-arm), once:
 # - qemu-user and the aarch64 cross compiler (Debian packages); the arm64 Python's packages
-#   unpacked into a root of their own (apt-get download + dpkg -x: nothing arm64 is installed);
+#   unpacked into a root of their own (arm64 is added to dpkg's architectures so that apt-get
+#   download finds them; dpkg -x unpacks them: nothing arm64 is installed);
 # - the aarch64 wheels (pip download --platform), installed with --target;
 # - stubs for the CUDA libraries torch's aarch64 wheel links to (it is a CUDA build; no CUDA
 #   wheel for aarch64 is on the index): every symbol torch needs from them, returning an error.

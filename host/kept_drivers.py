@@ -57,7 +57,8 @@ def _is_alive(pid: int) -> bool:
     return True
 
 
-def _accepts(path: str) -> bool:
+def accepts(path: str) -> bool:
+    """Whether a server listens on the Unix socket `path` (its file exists a moment before)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         try:
             probe.connect(path)
@@ -127,7 +128,7 @@ def start(
     )
     progress(f"starting the {name} driver (pid {pid}; its output goes to {log_path})")
     deadline = time.monotonic() + timeout_s
-    while not (sock.exists() and _accepts(str(sock))):
+    while not (sock.exists() and accepts(str(sock))):
         exited, status = os.waitpid(pid, os.WNOHANG)
         if exited == pid:
             tail = output_tail(log_path)

@@ -7,27 +7,18 @@ with "Connection refused". The host waits the same way (`host/driver_link.py`)."
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 from pathlib import Path
 
-
-def accepts(sock: Path) -> bool:
-    """Whether a server listens on the Unix socket `sock` (a connection is accepted)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(str(sock))
-        except OSError:
-            return False
-    return True
+from host.kept_drivers import accepts
 
 
 def wait_until_listening(sock: Path, proc: subprocess.Popen[bytes], timeout_s: float, log: Path | None = None) -> None:
     """Return once `proc` accepts connections on `sock`; kill it and raise RuntimeError (with the
     tail of `log`, when given) if it exits first or `timeout_s` passes."""
     deadline = time.monotonic() + timeout_s
-    while not (sock.exists() and accepts(sock)):
+    while not (sock.exists() and accepts(str(sock))):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             tail = log.read_text(errors="replace")[-2000:] if log is not None else ""

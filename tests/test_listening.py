@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.listening import accepts, wait_until_listening
+from host.kept_drivers import accepts
+from tests.listening import wait_until_listening
 
 
 def test_a_bound_socket_is_ready_only_once_it_listens() -> None:
@@ -20,7 +21,7 @@ def test_a_bound_socket_is_ready_only_once_it_listens() -> None:
         server.bind(str(sock))  # the file exists from here on; connections are refused
         proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         try:
-            assert sock.exists() and not accepts(sock)
+            assert sock.exists() and not accepts(str(sock))
             with pytest.raises(RuntimeError, match="did not listen"):
                 wait_until_listening(sock, proc, 0.3)
         finally:

@@ -152,21 +152,23 @@ def ninja_on_path() -> None:
         import ninja  # type: ignore[import-not-found]
     except ImportError:
         return
-    folder = str(getattr(ninja, "BIN_DIR", Path(sys.executable).parent))
-    if shutil.which("ninja", path=folder):
-        os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
+    if ninja.BIN_DIR and shutil.which("ninja", path=ninja.BIN_DIR):  # "": it found no binary
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def _not_built(reason: object) -> bool:
+    log.warning("C++ CPU kernels not built (%s): the torch paths run instead", reason)
+    return False
 
 
 def _build(show_progress: bool) -> bool:
     try:
         from torch.utils import cpp_extension  # imports setuptools, which a venv may lack
     except ImportError as exc:
-        log.warning("C++ CPU kernels not built (%s): the torch paths run instead", exc)
-        return False
+        return _not_built(exc)
     ninja_on_path()
     if not cpp_extension.is_ninja_available():
-        log.warning("C++ CPU kernels not built (ninja is not installed): the torch paths run instead")
-        return False
+        return _not_built("ninja is not installed")
     # The name carries the sources' hash: an edited kernel never loads a stale build.
     name = f"wafer_cpu_{source_digest()}"
     progress = Progress("building the C++ CPU kernels (cached for the next start)", 1, show_progress)
@@ -186,8 +188,7 @@ def _build(show_progress: bool) -> bool:
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler, a failed build or load
         lines = str(exc).splitlines() or [type(exc).__name__]
         reason = next((line for line in lines if "error" in line), lines[0])
-        log.warning("C++ CPU kernels not built (%s): the torch paths run instead", reason.strip())
-        return False
+        return _not_built(reason.strip())
     progress.update(1)
     _module.append(module)
     torch.library.register_fake("wafer::w8a8_linear")(_fake_linear)

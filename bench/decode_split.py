@@ -113,7 +113,7 @@ def _sequence_timer() -> ModuleType:
     """bench/cpp/w8a8_sequence.cpp, built once into torch's extension root (named by its hash)."""
     source = Path(__file__).with_name("cpp") / "w8a8_sequence.cpp"
     name = f"wafer_bench_sequence_{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}"
-    log("building the C++ timing loop for the matmuls (cached for the next run) ...")
+    log("loading the C++ timing loop for the matmuls (built on first use: ~20 s) ...")
     directory = cpu_kernels.build_directory(name)
     from torch.utils import cpp_extension
 

@@ -71,11 +71,16 @@ def weight_bytes(drv: TorchDriver) -> int:
     """Bytes of weights one decode step reads: every parameter and int8 weight buffer once. The
     tied embedding counts once, as the output head (the lookup reads only a few rows); with int8
     weights the head reads its int8 copy, so the dense embedding is not counted."""
-    tensors = [*drv.model.parameters(), *drv.model.buffers()]
-    total = sum(t.numel() * t.element_size() for t in tensors if t.dtype != torch.float64)
+    tensors = [t for t in (*drv.model.parameters(), *drv.model.buffers()) if t.dtype != torch.float64]
     if drv.model.output_head is not None:
         emb = drv.model.model.embed_tokens.weight
-        total -= emb.numel() * emb.element_size()
+        tensors = [t for t in tensors if t is not emb]
+    # Each byte once: a packed w8a8 linear's weights, scales and sums are views of its `packed`.
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors if t.numel())
+    total, end = 0, 0
+    for start, stop in spans:
+        total += max(0, stop - max(start, end))
+        end = max(end, stop)
     return total
 
 

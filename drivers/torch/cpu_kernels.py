@@ -3,7 +3,7 @@ torch's extension directory) and registered as opaque ops that torch.compile cal
 
 - `torch.ops.wafer.w8a8_linear` (`w8a8_kernel.cpp`): int8 weights in panels
   (`quantize.pack_vnni`) times per-row int8 activations, bit-identical to `DynamicInt8Linear`'s
-  torch path;
+  torch path; `w8a8_linear_packed`, the same with the weights, scales and sums in one tensor;
 - `torch.ops.wafer.decode_attention` (`decode_attention.cpp`): float32 attention of one query per
   request over keys read in place from the paged cache (`paged_attention.attend_keys`);
 - `torch.ops.wafer.argmax_rows` (`argmax.cpp`): each row's first maximum, for greedy sampling
@@ -59,6 +59,10 @@ def _fake_linear(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, w_sum: torch.Tensor, sgemm_from_rows: int = 0
 ) -> torch.Tensor:
     return x.new_empty(x.shape[0], w_scale.shape[0])  # w: VNNI panels, one scale per output
+
+
+def _fake_linear_packed(x: torch.Tensor, packed: torch.Tensor, n: int, sgemm_from_rows: int = 0) -> torch.Tensor:
+    return x.new_empty(x.shape[0], n)
 
 
 def _fake_attention(
@@ -192,6 +196,7 @@ def _build(show_progress: bool) -> bool:
     progress.update(1)
     _module.append(module)
     torch.library.register_fake("wafer::w8a8_linear")(_fake_linear)
+    torch.library.register_fake("wafer::w8a8_linear_packed")(_fake_linear_packed)
     torch.library.register_fake("wafer::decode_attention")(_fake_attention)
     torch.library.register_fake("wafer::argmax_rows")(_fake_argmax)
     return True

@@ -74,11 +74,13 @@ class DynamicInt8Linear(nn.Module):
     weight_int8: torch.Tensor
     scale: torch.Tensor
     weight_sum: torch.Tensor
+    packed: torch.Tensor | None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, use_kernel: bool) -> None:
         super().__init__()
         q, scale = _per_row_int8(weight)
         self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
         # [out, in] for the torch path (`_int_mm` reads its transpose fastest), or VNNI panels.
         self.register_buffer("weight_int8", pack_vnni(q) if use_kernel else q)
         self.register_buffer("scale", scale)
@@ -89,12 +91,37 @@ class DynamicInt8Linear(nn.Module):
         # The kernel: from this many rows on, run torch's float32 matmul on the same integers
         # (bit-identical; 0 = never). Set by `choose_matmuls` from measured speed.
         self.sgemm_from_rows = 0
+        # The kernel's weights as one tensor (`use_packed`), once `quantize_int8` has packed them.
+        self.register_buffer("packed", None, persistent=False)
+
+    def packed_bytes(self) -> torch.Tensor:
+        """The kernel's weights as one int8 tensor: the panels, then the float32 scales, then the
+        int32 weight sums (what `torch.ops.wafer.w8a8_linear_packed` reads)."""
+        parts = (self.weight_int8.reshape(-1), self.scale.view(torch.int8), self.weight_sum.view(torch.int8))
+        return torch.cat(parts)
+
+    def use_packed(self, packed: torch.Tensor) -> None:
+        """Read the weights from `packed` (`packed_bytes`' layout, e.g. in the weight arena) from
+        now on; `weight_int8`, `scale` and `weight_sum` become views into it."""
+        shape, n = self.weight_int8.shape, self.scale.numel()
+        size = self.weight_int8.numel()
+        self.weight_int8 = packed[:size].view(shape)
+        self.scale = packed[size : size + 4 * n].view(torch.float32)
+        self.weight_sum = packed[size + 4 * n :].view(torch.int32)
+        self.packed = packed
+
+    def kernel(self, rows: torch.Tensor, sgemm_from_rows: int) -> torch.Tensor:
+        """The C++ kernel on float32 `rows` [M, in]: one tensor of weights once packed (the compiled
+        graphs then pass one handle, not three), else the three."""
+        if self.packed is not None:
+            return torch.ops.wafer.w8a8_linear_packed(rows, self.packed, self.out_features, sgemm_from_rows)
+        return torch.ops.wafer.w8a8_linear(rows, self.weight_int8, self.scale, self.weight_sum, sgemm_from_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).float()
         if self.use_kernel:
-            y = torch.ops.wafer.w8a8_linear(rows, self.weight_int8, self.scale, self.weight_sum, self.sgemm_from_rows)
+            y = self.kernel(rows, self.sgemm_from_rows)
         else:
             y = w8a8_reference(rows, self.weight_int8, self.scale)
         y = y.to(x.dtype).reshape(*shape[:-1], y.shape[-1])
@@ -138,7 +165,7 @@ def choose_matmuls(linears: list[DynamicInt8Linear]) -> dict[tuple[int, int], in
 
 def _trial(lin: DynamicInt8Linear, rows: int, sgemm_from_rows: int) -> Callable[[], object]:
     x = torch.randn(rows, lin.in_features)
-    return lambda: torch.ops.wafer.w8a8_linear(x, lin.weight_int8, lin.scale, lin.weight_sum, sgemm_from_rows)
+    return lambda: lin.kernel(x, sgemm_from_rows)
 
 
 def _best_time(fn: Callable[[], object], repeats: int = 2) -> float:
@@ -149,6 +176,10 @@ def _best_time(fn: Callable[[], object], repeats: int = 2) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def _on_kernel(lin: nn.Module) -> bool:
+    return isinstance(lin, DynamicInt8Linear) and lin.use_kernel
 
 
 # The projections of a block in the order a step runs them (fused or not).
@@ -186,9 +217,15 @@ def quantize_int8(model: Transformer, kind: str = "int8", use_kernel: bool = Tru
     if not model.cfg.tie_embeddings:
         del model.lm_head
     if pack and on_cpu:
-        views, huge = weight_arena.pack([lin.weight_int8 for lin in converted])
+        # The kernel's linears: their weights, scales and sums, one tensor each; the others: their weights.
+        packed = [lin.packed_bytes() if _on_kernel(lin) else lin.weight_int8 for lin in converted]
+        views, huge = weight_arena.pack(packed)
         for lin, view in zip(converted, views, strict=True):
-            lin.weight_int8 = view
+            if _on_kernel(lin):
+                assert isinstance(lin, DynamicInt8Linear)
+                lin.use_packed(view)
+            else:
+                lin.weight_int8 = view
         log.info("int8 weights packed in one buffer (%s pages)", "huge" if huge else "normal")
     if kernel:
         kernels = [lin for lin in converted if isinstance(lin, DynamicInt8Linear)]

@@ -255,10 +255,10 @@ __attribute__((target("avx2,fma"))) float quantize_row_avx2(const float* x, int6
 // that every partial sum is an integer below 1024 * 127^2 < 2^24, exact in float32 in any order;
 // the blocks add as int32. So the result is bit-identical to the integer kernels.
 at::Tensor sgemm_path(const std::vector<int8_t>& xq, const std::vector<float>& sx, int64_t m, int64_t kp,
-                      const at::Tensor& w, const at::Tensor& w_scale, int64_t n) {
-  const int64_t panels = w.size(0), kq = kp / 4;
-  at::Tensor wf = at::empty({panels * kPanelCols, kp}, w_scale.options());
-  const int8_t* wp = w.data_ptr<int8_t>();
+                      const int8_t* wp, int64_t panels, const float* ws, int64_t n) {
+  const int64_t kq = kp / 4;
+  const auto options = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor wf = at::empty({panels * kPanelCols, kp}, options);
   float* fp = wf.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
@@ -271,7 +271,7 @@ at::Tensor sgemm_path(const std::vector<int8_t>& xq, const std::vector<float>& s
       }
     }
   });
-  at::Tensor xf = at::empty({m, kp}, w_scale.options());
+  at::Tensor xf = at::empty({m, kp}, options);
   float* xfp = xf.data_ptr<float>();
   for (int64_t i = 0; i < m * kp; ++i) xfp[i] = static_cast<float>(xq[i]);
   const at::Tensor wn = wf.narrow(0, 0, n);
@@ -281,7 +281,8 @@ at::Tensor sgemm_path(const std::vector<int8_t>& xq, const std::vector<float>& s
     at::Tensor part = at::mm(xf.narrow(1, k0, len), wn.narrow(1, k0, len).t()).to(at::kInt);
     acc = acc.defined() ? acc.add_(part) : part;
   }
-  const at::Tensor scales = at::from_blob(const_cast<float*>(sx.data()), {m, 1}, w_scale.options()) * w_scale;
+  const at::Tensor scales = at::from_blob(const_cast<float*>(sx.data()), {m, 1}, options) *
+                            at::from_blob(const_cast<float*>(ws), {n}, options);
   return acc.to(at::kFloat).mul_(scales);
 }
 
@@ -382,19 +383,21 @@ bool row_split(Isa isa, const int8_t* xq, int64_t kp, float sx, const int8_t* w,
   return true;
 }
 
-// `sgemm_from_rows`: with at least this many rows (0: never) the product runs `sgemm_path`.
-at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
-                       const at::Tensor& w_sum, int64_t sgemm_from_rows) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [rows, in]");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(),
-              "w must be int8 panels [ceil(out / 64), ceil(in / 4) * 256]");
-  const int64_t m = x.size(0), k = x.size(1), n = w_scale.numel();
-  const int64_t kp = (k + 3) / 4 * 4, kq = kp / 4, panels = w.size(0);
-  TORCH_CHECK(w.size(1) == kq * kQuadBytes, "w's panels are not packed for x's input size ", k);
-  TORCH_CHECK(panels == (n + kPanelCols - 1) / kPanelCols, "w's panels do not hold w_scale's ", n, " outputs");
-  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous(), "w_scale: one float32 per output");
-  TORCH_CHECK(w_sum.scalar_type() == at::kInt && w_sum.is_contiguous() && w_sum.numel() == n,
-              "w_sum: one int32 per output");
+// One linear's int8 weights as the kernels read them: `panels` panels of 64 outputs (the layout
+// above), then per output its float32 scale and its int32 weight sum.
+struct Weights {
+  const int8_t* panels_data;
+  const float* scale;
+  const int32_t* sum;
+  int64_t panels;
+  int64_t n;
+};
+
+// y = x's rows against `wt` (x checked by the caller: float32 [m, k] with k the panels' input
+// size). `sgemm_from_rows`: with at least this many rows (0: never) the product runs `sgemm_path`.
+at::Tensor run_linear(const at::Tensor& x, const Weights& wt, int64_t sgemm_from_rows) {
+  const int64_t m = x.size(0), k = x.size(1), n = wt.n, panels = wt.panels;
+  const int64_t kp = (k + 3) / 4 * 4, kq = kp / 4;
   if (m == 0 || n == 0) return at::empty({m, n}, x.options());
   const at::Tensor xc = x.contiguous();
   // The fastest variant quantizes the rows either way; the float32 path then multiplies them.
@@ -410,21 +413,59 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   if (fastest == wafer::kAvx2Vnni || fastest == wafer::kAvx2) quantize = quantize_row_avx2;
 #endif
   for (int64_t i = 0; i < m; ++i) sx[i] = quantize(xp + i * k, k, xq.data() + i * kp);
-  if (sgemm) return sgemm_path(xq, sx, m, kp, w, w_scale, n);
+  if (sgemm) return sgemm_path(xq, sx, m, kp, wt.panels_data, panels, wt.scale, n);
   at::Tensor y = at::empty({m, n}, x.options());
   // The VNNI instructions multiply unsigned by signed bytes: their activations go in as q + 128.
   if (isa == wafer::kAvx512Vnni || isa == wafer::kAvx2Vnni) {
     for (int8_t& v : xq) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80);
   }
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const float* ws = w_scale.data_ptr<float>();
-  const int32_t* sp = w_sum.data_ptr<int32_t>();
+  const int8_t* wp = wt.panels_data;
+  const float* ws = wt.scale;
+  const int32_t* sp = wt.sum;
   float* yp = y.data_ptr<float>();
   if (m == 1 && row_split(isa, xq.data(), kp, sx[0], wp, kq, panels, sp, ws, yp, n)) return y;
   at::parallel_for(0, panels, 4, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) run_panel_isa(isa, xq.data(), kp, sx.data(), m, wp, kq, panels, p, sp, ws, yp, n);
   });
   return y;
+}
+
+void check_rows(const at::Tensor& x) { TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [rows, in]"); }
+
+// The weights as three tensors: the panels, the scales and the weight sums.
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                       const at::Tensor& w_sum, int64_t sgemm_from_rows) {
+  check_rows(x);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(),
+              "w must be int8 panels [ceil(out / 64), ceil(in / 4) * 256]");
+  const int64_t k = x.size(1), n = w_scale.numel();
+  const int64_t kq = (k + 3) / 4, panels = w.size(0);
+  TORCH_CHECK(w.size(1) == kq * kQuadBytes, "w's panels are not packed for x's input size ", k);
+  TORCH_CHECK(panels == (n + kPanelCols - 1) / kPanelCols, "w's panels do not hold w_scale's ", n, " outputs");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous(), "w_scale: one float32 per output");
+  TORCH_CHECK(w_sum.scalar_type() == at::kInt && w_sum.is_contiguous() && w_sum.numel() == n,
+              "w_sum: one int32 per output");
+  return run_linear(x, {w.data_ptr<int8_t>(), w_scale.data_ptr<float>(), w_sum.data_ptr<int32_t>(), panels, n},
+                    sgemm_from_rows);
+}
+
+// The weights as one int8 tensor (`quantize.pack_linear`): the panels, then the n float32 scales,
+// then the n int32 weight sums. One tensor instead of three: the compiled graphs pass a third of
+// the handles, and a call reads one tensor's metadata, which the streamed weights evict.
+at::Tensor w8a8_linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t sgemm_from_rows) {
+  check_rows(x);
+  TORCH_CHECK(n >= 0, "n must be >= 0, got ", n);
+  const int64_t k = x.size(1), kq = (k + 3) / 4, panels = (n + kPanelCols - 1) / kPanelCols;
+  const int64_t weight_bytes = panels * kq * kQuadBytes;
+  TORCH_CHECK(packed.dim() == 1 && packed.scalar_type() == at::kChar && packed.is_contiguous(),
+              "packed must be a contiguous 1-D int8 tensor");
+  TORCH_CHECK(packed.numel() == weight_bytes + 8 * n, "packed holds ", packed.numel(), " bytes; ", n,
+              " outputs of ", k, " inputs need ", weight_bytes + 8 * n, " (panels, then scales and sums)");
+  const int8_t* base = packed.data_ptr<int8_t>();
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(base) % 4 == 0, "packed must start on a 4-byte boundary");
+  const auto* scale = reinterpret_cast<const float*>(base + weight_bytes);
+  const auto* sum = reinterpret_cast<const int32_t*>(base + weight_bytes + 4 * n);
+  return run_linear(x, {base, scale, sum, panels, n}, sgemm_from_rows);
 }
 
 // The variant `w8a8_linear` runs now (kIsaNames).
@@ -434,7 +475,11 @@ std::string w8a8_variant() { return wafer::kIsaNames[wafer::pick(kLevels)]; }
 
 TORCH_LIBRARY_FRAGMENT(wafer, lib) {
   lib.def("w8a8_linear(Tensor x, Tensor w, Tensor w_scale, Tensor w_sum, int sgemm_from_rows=0) -> Tensor");
+  lib.def("w8a8_linear_packed(Tensor x, Tensor packed, int n, int sgemm_from_rows=0) -> Tensor");
   lib.def("w8a8_variant() -> str", &w8a8_variant);
 }
 
-TORCH_LIBRARY_IMPL(wafer, CPU, lib) { lib.impl("w8a8_linear", &w8a8_linear); }
+TORCH_LIBRARY_IMPL(wafer, CPU, lib) {
+  lib.impl("w8a8_linear", &w8a8_linear);
+  lib.impl("w8a8_linear_packed", &w8a8_linear_packed);
+}

@@ -166,6 +166,43 @@ def test_float32_matmul_path_equals_torch_path_exactly(kernel: None, n: int, k: 
     assert torch.equal(lin(x[:4]), plain(x[:4])) and torch.equal(lin(x), plain(x))
 
 
+def _packed_copy(lin: DynamicInt8Linear) -> DynamicInt8Linear:
+    """The same weights read from one tensor (`use_packed`), and its three tensors then set to
+    other values: what it computes comes from the packed tensor alone."""
+    other = DynamicInt8Linear(torch.zeros(lin.out_features, lin.in_features), None, True)
+    other.use_packed(lin.packed_bytes().clone())
+    other.weight_int8 = torch.zeros_like(lin.weight_int8)
+    other.scale, other.weight_sum = torch.zeros_like(lin.scale), torch.zeros_like(lin.weight_sum)
+    return other
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k"), [(7, 99), (130, 1536), (576, 576), (1000, 99)])
+def test_packed_weights_give_the_same_bits(isa: dict[str, str], threads: Callable[[int], None], n: int, k: int) -> None:
+    # One tensor of panels, scales and sums (`w8a8_linear_packed`, what a packed model's graphs
+    # call) against the three tensors: one row split over threads, blocks of rows, the float path.
+    x, lin = _linear(n, k, seed=n + 7 * k, rows=33)
+    packed = _packed_copy(lin)
+    for t in (1, 2, 3):
+        threads(t)
+        for m in (1, 2, 7, 33):
+            assert torch.equal(packed(x[:m]), lin(x[:m])), (isa["w8a8"], n, k, t, m)
+    assert torch.equal(packed.kernel(x, 1), lin.kernel(x, 1))
+
+
+@needs_kernel
+def test_packed_kernel_refuses_a_tensor_of_another_size(kernel: None) -> None:
+    x, lin = _linear(70, 96, seed=3)
+    blob = lin.packed_bytes()
+    with pytest.raises(RuntimeError, match=r"70 outputs of 100 inputs need 13360"):
+        torch.ops.wafer.w8a8_linear_packed(torch.zeros(2, 100), blob, 70)
+    with pytest.raises(RuntimeError, match=r"packed holds 12848 bytes; 71 outputs"):
+        torch.ops.wafer.w8a8_linear_packed(x, blob, 71)
+    with pytest.raises(RuntimeError, match="contiguous 1-D int8"):
+        torch.ops.wafer.w8a8_linear_packed(x, blob.view(torch.int32), 70)
+    assert torch.equal(torch.ops.wafer.w8a8_linear_packed(x, blob, 70), lin(x))
+
+
 @needs_kernel
 def test_choose_matmuls_sets_a_row_count_per_shape(kernel: None, monkeypatch: pytest.MonkeyPatch) -> None:
     lins = [DynamicInt8Linear(torch.randn(n, k), None, True) for n, k in ((64, 96), (64, 96), (32, 48))]

@@ -102,6 +102,12 @@ def test_packed_model_equals_unpacked(tmp_path: Path, weights: str, dtype: str) 
     assert len({v.untyped_storage().data_ptr() for v in views}) == 1 and starts == sorted(starts), "step order"
     unpacked = {m.weight_int8.untyped_storage().data_ptr() for m in plain.model.modules() if hasattr(m, "weight_int8")}
     assert len(unpacked) > 1
+    if weights == "w8a8":  # the kernel reads one tensor a linear: its panels, then scales, then sums
+        for m in [*order, head]:
+            start, size = m.packed.data_ptr(), m.weight_int8.numel()
+            assert m.weight_int8.data_ptr() == start and m.scale.data_ptr() == start + size
+            assert m.weight_sum.data_ptr() == start + size + 4 * m.out_features
+            assert m.packed.numel() == size + 8 * m.out_features
     prompt = random_tokens(13, 96, seed=4)
     for drv in (packed, plain):
         drv.handshake(Hello())

@@ -122,7 +122,9 @@ def _sequence_timer() -> ModuleType:
 
 class MatmulSequence:
     """Every int8 linear of the model called once on one row, in the step's order, from C++ (see
-    bench/cpp/w8a8_sequence.cpp); each `run()` times one sequence, call by call."""
+    bench/cpp/w8a8_sequence.cpp); each `run()` times one sequence, call by call. It calls the
+    three-tensor op on the same bytes the step's packed op reads (`w8a8_linear_packed`, a little
+    less work a call), so "the rest" stays comparable with runs before the weights were packed."""
 
     def __init__(self, drv: TorchDriver) -> None:
         lins = [m for m in drv.model.modules() if isinstance(m, DynamicInt8Linear) and m.use_kernel]

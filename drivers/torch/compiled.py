@@ -95,12 +95,15 @@ class CompiledModel:
         # The graphs call the C++ ops: a rebuilt op must not meet graphs cached for the old one.
         # The model's modules are frozen: their weights and attributes are never changed once it
         # is compiled (their guards are dropped, their tensors read once; see direct_graphs.py).
+        # So are the globals the traced code reads: the driver never rebinds its functions or ops.
         key = cpu_kernels.source_digest()
-        self._layer = DirectGraphs(_layer, key, frozen=("cfg",))
-        self._logits = DirectGraphs(output_logits, key, frozen=("cfg", "norm", "head"))
+        self._layer = DirectGraphs(_layer, key, frozen=("cfg",), frozen_globals=True)
+        self._logits = DirectGraphs(output_logits, key, frozen=("cfg", "norm", "head"), frozen_globals=True)
         # The stack's K/V pages are frozen too: one cache's per-layer views, the same tensors at every
         # pass (their contents change, never their sizes); a new cache gets a new CompiledModel.
-        self._stack = DirectGraphs(_stack, key, frozen=("cfg", "model", "caches"), before_dynamo=_mark_stack)
+        self._stack = DirectGraphs(
+            _stack, key, frozen=("cfg", "model", "caches"), before_dynamo=_mark_stack, frozen_globals=True
+        )
         self._blocks = model.model.blocks()
         cfg = model.cfg
         self._windows = sorted({cfg.window(i) for i in range(cfg.num_layers)})

@@ -2,7 +2,7 @@
 in-place writes to inputs included; a call no graph's guards accept compiles through dynamo and
 is then called directly too, also after a module's attribute changed (guards built with dynamo's
 recursive dict tags); where dynamo's cache entries cannot be read, calls go through dynamo. Frozen
-arguments have no guards, and another object given for one raises."""
+arguments have no guards, and another object given for one raises; frozen globals have no guards."""
 
 from __future__ import annotations
 
@@ -186,6 +186,30 @@ def test_frozen_arguments_have_no_guards_and_their_tensors_are_read_once() -> No
     assert torch.equal(frozen(modules, x), x * 6)
     assert torch.equal(frozen(modules, x.double()), x.double() * 6)  # x keeps its guards: compiled again
     assert frozen.num_direct_calls == 2
+
+
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def _doubled_plus_one(x: torch.Tensor) -> torch.Tensor:
+    return _doubled(x) + 1
+
+
+@torch.inference_mode()
+def test_frozen_globals_have_no_guards() -> None:
+    """The decode stack's guard check ~65 -> ~28 us a step: most of it were the identities of
+    the functions, modules and ops its code reads from its globals, which a driver never rebinds."""
+    x = torch.arange(3.0)
+    plain, frozen = DirectGraphs(_doubled_plus_one), DirectGraphs(_doubled_plus_one, frozen_globals=True)
+    for graphs in (plain, frozen):
+        for _ in range(2):
+            assert torch.equal(graphs(x), x * 2 + 1)
+        assert graphs.num_direct_calls == 1
+    assert "G['_doubled']" in _guards(plain)
+    assert "G[" not in _guards(frozen) and "L['x']" in _guards(frozen)
+    assert torch.equal(frozen(x.double()), x.double() * 2 + 1)  # x keeps its guards: compiled again
+    assert frozen.num_direct_calls == 1
 
 
 @torch.inference_mode()

@@ -15,6 +15,7 @@ from bridge_schema.messages import Forward
 from drivers.errors import RequestRejected
 from drivers.torch import cpu_kernels
 from drivers.torch.masks import check_mask_rows, decode_brle_rows
+from drivers.torch.sampling import SamplingPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,8 @@ class PassPlan:
     q_index_np: npt.NDArray[np.int64]
     q_valid_np: npt.NDArray[np.bool_]
     out_tokens_np: npt.NDArray[np.int64]
+    # What sampling does for the pass's outputs (`TorchDriver.plan_pass` sets it, before the model runs).
+    sampling: SamplingPlan | None = None
     families: dict[int, FamilyKeys] = field(default_factory=dict)
     query_blocks: dict[int, torch.Tensor] = field(default_factory=dict)  # kernel tiling, by block size
 

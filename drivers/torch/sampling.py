@@ -41,25 +41,44 @@ def unpack_logit_masks(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()
 
 
-def apply_logit_masks(logits: torch.Tensor, fwd: Forward, vocab_size: int) -> torch.Tensor:
+@dataclass(slots=True)
+class SamplingPlan:
+    """What `sample` does for a pass, worked out (and its logit masks checked) from the request
+    alone, before the model runs: then a bad mask is refused before any compute, and the checks
+    run on warm caches, not right after a step has streamed its weights through them."""
+
+    mask_rows: torch.Tensor | None  # output rows with a logit mask (None: no row has one)
+    allowed: torch.Tensor | None  # bool [len(mask_rows), vocab]: each such row's allowed tokens
+    random_rows: npt.NDArray[np.int64]  # output rows sampled at random (the others: greedy)
+    probe_rows: npt.NDArray[np.int64]  # output rows with probes (logprobs, top-k, distribution)
+
+
+def plan_sampling(fwd: Forward, vocab_size: int, device: torch.device) -> SamplingPlan:
+    """The pass's `SamplingPlan`; raises `RequestRejected` for logit masks that are not rows of
+    the vocabulary's words or that allow no token."""
+    random_rows, probe_rows = np.flatnonzero(fwd.sampler == _RANDOM), np.flatnonzero(fwd.probe)
     if not fwd.logit_mask_index.size or int(fwd.logit_mask_index.max()) < 0:
-        return logits
+        return SamplingPlan(None, None, random_rows, probe_rows)
     index = fwd.logit_mask_index.astype(np.int64)
     width = logit_mask_words(vocab_size)
     num_masks = fwd.logit_masks.size // width
     if fwd.logit_masks.size != num_masks * width or int(index.max()) >= num_masks:
         raise RequestRejected(f"logit masks must be rows of {width} words", "logit_masks")
-    words = torch.as_tensor(fwd.logit_masks.astype(np.int64).reshape(num_masks, width), device=logits.device)
+    words = torch.as_tensor(fwd.logit_masks.astype(np.int64).reshape(num_masks, width), device=device)
     allowed = unpack_logit_masks(words, vocab_size)
     used = np.unique(index[index >= 0])
-    empty = used[~allowed[torch.as_tensor(used, device=logits.device)].any(-1).cpu().numpy()]
+    empty = used[~allowed[torch.as_tensor(used, device=device)].any(-1).cpu().numpy()]
     if len(empty):
         raise RequestRejected(f"logit mask {int(empty[0])} allows no token", "logit_masks")
-    rows = torch.as_tensor(np.nonzero(index >= 0)[0], device=logits.device)
+    rows = torch.as_tensor(np.nonzero(index >= 0)[0], device=device)
+    return SamplingPlan(rows, allowed[torch.as_tensor(index[index >= 0], device=device)], random_rows, probe_rows)
+
+
+def apply_logit_masks(logits: torch.Tensor, plan: SamplingPlan) -> torch.Tensor:
+    if plan.mask_rows is None or plan.allowed is None:
+        return logits
     masked = logits.clone()
-    masked[rows] = logits[rows].masked_fill(
-        ~allowed[torch.as_tensor(index[index >= 0], device=logits.device)], float("-inf")
-    )
+    masked[plan.mask_rows] = logits[plan.mask_rows].masked_fill(~plan.allowed, float("-inf"))
     return masked
 
 
@@ -100,20 +119,28 @@ def _random_tokens(
 
 
 def sample(
-    logits: torch.Tensor, fwd: Forward, positions: npt.NDArray[np.int64], vocab_size: int, gen: torch.Generator
+    logits: torch.Tensor,
+    fwd: Forward,
+    out_tokens: npt.NDArray[np.int64],
+    vocab_size: int,
+    gen: torch.Generator,
+    plan: SamplingPlan | None = None,
 ) -> Sampled:
-    """Tokens and probe outputs for raw `logits` [O, V] of the output rows; `positions` [O] are the
-    RoPE positions of the rows' input tokens (the seeded draw's key)."""
+    """Tokens and probe outputs for raw `logits` [O, V] of the output rows; `out_tokens` [O] are the
+    rows' input tokens in the pass (their RoPE positions key the seeded draws). `plan`: the pass's
+    `plan_sampling`, made before the model ran (made here if None)."""
+    if plan is None:
+        plan = plan_sampling(fwd, vocab_size, logits.device)
     num_out = logits.shape[0]
-    masked = apply_logit_masks(logits, fwd, vocab_size)
+    masked = apply_logit_masks(logits, plan)
     tokens = cpu_kernels.argmax_rows(masked)  # the first maximum, like argmax
-    random_rows = np.flatnonzero(fwd.sampler == _RANDOM)
+    random_rows, probe_rows = plan.random_rows, plan.probe_rows
     if len(random_rows):
+        positions = fwd.positions.astype(np.int64)[out_tokens[random_rows]]
         tokens[torch.as_tensor(random_rows, device=logits.device)] = _random_tokens(
-            masked, fwd, random_rows, positions[random_rows], gen
+            masked, fwd, random_rows, positions, gen
         )
     tokens_np = tokens.cpu().numpy().astype(np.int32)  # one torch call, not three
-    probe_rows = np.flatnonzero(fwd.probe)
     if not len(probe_rows):  # most passes: nothing but the tokens
         no_probes, nothing = np.zeros(num_out + 1, dtype=np.uint32), np.zeros(0, np.float32)
         return Sampled(

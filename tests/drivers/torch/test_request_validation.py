@@ -93,6 +93,21 @@ def test_logit_mask_allowing_nothing_is_rejected(driver: TorchDriver) -> None:
     _still_serves(driver)
 
 
+def test_a_bad_logit_mask_is_refused_before_the_model_runs(
+    driver: TorchDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bridge_schema.batch import OutputSpec
+
+    ran: list[object] = []
+    monkeypatch.setattr(driver, "run_model", lambda *args: ran.append(args))
+    tokens = random_tokens(3, 96, 2)
+    for mask, message in ((np.zeros(3, np.uint32), "allows no token"), (np.ones(2, np.uint32), "rows of 3 words")):
+        spec = request(tokens, 0, PAGES, 4, outputs=[OutputSpec(row=2, logit_mask=mask)])
+        with pytest.raises(RequestRejected, match=message):
+            driver.forward(forward([spec]))
+    assert not ran  # nothing computed, no K/V written
+
+
 def test_unknown_adapter_unload_is_rejected(tmp_path: Path, driver: TorchDriver) -> None:
     from bridge_schema.messages import Adapter
 

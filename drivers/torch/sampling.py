@@ -54,9 +54,11 @@ class SamplingPlan:
 
 
 def plan_sampling(fwd: Forward, vocab_size: int, device: torch.device) -> SamplingPlan:
-    """The pass's `SamplingPlan`; raises `RequestRejected` for logit masks that are not rows of
-    the vocabulary's words or that allow no token."""
+    """The pass's `SamplingPlan`; raises `RequestRejected` for a random row whose temperature is
+    not > 0, and for logit masks that are not rows of the vocabulary's words or allow no token."""
     random_rows, probe_rows = np.flatnonzero(fwd.sampler == _RANDOM), np.flatnonzero(fwd.probe)
+    if len(random_rows) and not np.all(fwd.temperature[random_rows] > 0):
+        raise RequestRejected("temperature must be > 0 for random sampling", "temperature")
     if not fwd.logit_mask_index.size or int(fwd.logit_mask_index.max()) < 0:
         return SamplingPlan(None, None, random_rows, probe_rows)
     index = fwd.logit_mask_index.astype(np.int64)
@@ -91,8 +93,6 @@ def _random_tokens(
 ) -> torch.Tensor:
     device = logits.device
     temp = torch.as_tensor(fwd.temperature[rows], device=device)
-    if torch.any(temp <= 0):
-        raise RequestRejected("temperature must be > 0 for random sampling", "temperature")
     scaled = logits[torch.as_tensor(rows, device=device)] / temp[:, None]
     k = min(PREFILTER, scaled.shape[-1])
     vals, ids = torch.topk(scaled, k, dim=-1)  # sorted, descending

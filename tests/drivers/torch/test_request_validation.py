@@ -93,10 +93,10 @@ def test_logit_mask_allowing_nothing_is_rejected(driver: TorchDriver) -> None:
     _still_serves(driver)
 
 
-def test_a_bad_logit_mask_is_refused_before_the_model_runs(
+def test_bad_sampling_is_refused_before_the_model_runs(
     driver: TorchDriver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from bridge_schema.batch import OutputSpec
+    from bridge_schema.batch import OutputSpec, Sampler
 
     ran: list[object] = []
     monkeypatch.setattr(driver, "run_model", lambda *args: ran.append(args))
@@ -105,6 +105,9 @@ def test_a_bad_logit_mask_is_refused_before_the_model_runs(
         spec = request(tokens, 0, PAGES, 4, outputs=[OutputSpec(row=2, logit_mask=mask)])
         with pytest.raises(RequestRejected, match=message):
             driver.forward(forward([spec]))
+    for temperature in (0.0, -1.0, float("nan")):
+        with pytest.raises(RequestRejected, match="temperature must be > 0"):
+            driver.forward(forward([request(tokens, 0, PAGES, 4, sampler=Sampler.random(temperature))]))
     assert not ran  # nothing computed, no K/V written
 
 

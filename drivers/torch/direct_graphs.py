@@ -20,7 +20,7 @@ Frozen globals (`frozen_globals=True`): dynamo's guards over the module globals 
 reads (its functions, modules, classes, the ops it calls: identity checks) are dropped as well, as
 `torch.compiler.skip_guard_on_globals_unsafe` does; for code whose globals are never rebound while
 it runs, as in a driver. A global rebound later is not seen by the graphs already compiled. The
-decode stack's guard check: 61-71 -> 28 us a step (a decode loop, SmolLM2, AMD EPYC Zen 5)."""
+decode stack's guard check: 61-71 -> 37-41 us a step (a decode loop, SmolLM2, AMD EPYC Zen 5)."""
 
 from __future__ import annotations
 

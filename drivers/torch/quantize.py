@@ -105,6 +105,7 @@ class DynamicInt8Linear(nn.Module):
         now on; `weight_int8`, `scale` and `weight_sum` become views into it."""
         shape, n = self.weight_int8.shape, self.scale.numel()
         size = self.weight_int8.numel()
+        assert packed.dtype == torch.int8 and packed.numel() == size + 8 * n, "not packed_bytes' layout"
         self.weight_int8 = packed[:size].view(shape)
         self.scale = packed[size : size + 4 * n].view(torch.float32)
         self.weight_sum = packed[size + 4 * n :].view(torch.int32)

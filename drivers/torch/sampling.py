@@ -43,9 +43,9 @@ def unpack_logit_masks(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 @dataclass(slots=True)
 class SamplingPlan:
-    """What `sample` does for a pass, worked out (and its logit masks checked) from the request
-    alone, before the model runs: then a bad mask is refused before any compute, and the checks
-    run on warm caches, not right after a step has streamed its weights through them."""
+    """What `sample` does for a pass, worked out (its logit masks and temperatures checked) from
+    the request alone, before the model runs: a bad mask or temperature is refused before any
+    compute, and no K/V is written for it."""
 
     mask_rows: torch.Tensor | None  # output rows with a logit mask (None: no row has one)
     allowed: torch.Tensor | None  # bool [len(mask_rows), vocab]: each such row's allowed tokens

@@ -198,7 +198,7 @@ def _doubled_plus_one(x: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def test_frozen_globals_have_no_guards() -> None:
-    """The decode stack's guard check ~65 -> ~28 us a step: most of it were the identities of
+    """The decode stack's guard check 61-71 -> 37-41 us a step: much of it were the identities of
     the functions, modules and ops its code reads from its globals, which a driver never rebinds."""
     x = torch.arange(3.0)
     plain, frozen = DirectGraphs(_doubled_plus_one), DirectGraphs(_doubled_plus_one, frozen_globals=True)

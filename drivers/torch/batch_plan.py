@@ -15,7 +15,7 @@ from bridge_schema.messages import Forward
 from drivers.errors import RequestRejected
 from drivers.torch import cpu_kernels
 from drivers.torch.masks import check_mask_rows, decode_brle_rows
-from drivers.torch.sampling import SamplingPlan
+from drivers.torch.sampling import SamplingPlan, plan_sampling
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +62,8 @@ class PassPlan:
     q_index_np: npt.NDArray[np.int64]
     q_valid_np: npt.NDArray[np.bool_]
     out_tokens_np: npt.NDArray[np.int64]
-    # What sampling does for the pass's outputs (`TorchDriver.plan_pass` sets it, before the model runs).
+    # What sampling does for the pass's outputs, made (and checked) with the rest of the plan,
+    # before the model runs; None only in the CUDA graphs' buckets, which are never sampled.
     sampling: SamplingPlan | None = None
     families: dict[int, FamilyKeys] = field(default_factory=dict)
     query_blocks: dict[int, torch.Tensor] = field(default_factory=dict)  # kernel tiling, by block size
@@ -217,6 +218,7 @@ def build_plan(fwd: Forward, limits: CacheLimits, device: torch.device) -> PassP
         q_index_np=q_index,
         q_valid_np=q_valid,
         out_tokens_np=out_tokens,
+        sampling=plan_sampling(fwd, limits.vocab_size, device),
     )
 
 

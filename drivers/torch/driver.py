@@ -30,7 +30,7 @@ from drivers.torch.model import Transformer, rope_inv_freq
 from drivers.torch.paged_attention import PagedAttention
 from drivers.torch.progress import Progress
 from drivers.torch.quantize import quantize_int8
-from drivers.torch.sampling import plan_sampling, sample
+from drivers.torch.sampling import sample
 from drivers.torch.smoothing import calibration_tokens, smooth
 
 log = logging.getLogger(__name__)
@@ -266,7 +266,6 @@ class TorchDriver:
             if bad:
                 raise RequestRejected(f"adapter {bad[0]} is not loaded", "adapter_ids")
         plan = build_plan(request, self.limits, self.device)
-        plan.sampling = plan_sampling(request, self.cfg.vocab_size, self.device)
         if not adapted:
             return plan, None
         token_adapter = np.repeat(ids.astype(np.int64), plan.num_q_np)
@@ -289,7 +288,8 @@ class TorchDriver:
 
     def sample_pass(self, request: Forward, plan: PassPlan, logits: torch.Tensor, start: float) -> ForwardResult:
         """Sample the output rows' `logits` and count the pass (begun at perf_counter `start`)."""
-        s = sample(logits, request, plan.out_tokens_np, self.cfg.vocab_size, self.generator, plan.sampling)
+        assert plan.sampling is not None, "a sampled pass is planned by build_plan"
+        s = sample(logits, request, plan.out_tokens_np, plan.sampling, self.generator)
         self.stats["forwards"] = int(self.stats["forwards"]) + 1
         self.stats["tokens"] = int(self.stats["tokens"]) + len(request.tokens)
         self.stats["outputs"] = int(self.stats["outputs"]) + len(s.tokens)

@@ -77,7 +77,7 @@ def plan_sampling(fwd: Forward, vocab_size: int, device: torch.device) -> Sampli
 
 
 def apply_logit_masks(logits: torch.Tensor, plan: SamplingPlan) -> torch.Tensor:
-    if plan.mask_rows is None or plan.allowed is None:
+    if plan.mask_rows is None or plan.allowed is None:  # set together
         return logits
     masked = logits.clone()
     masked[plan.mask_rows] = logits[plan.mask_rows].masked_fill(~plan.allowed, float("-inf"))
@@ -122,15 +122,12 @@ def sample(
     logits: torch.Tensor,
     fwd: Forward,
     out_tokens: npt.NDArray[np.int64],
-    vocab_size: int,
+    plan: SamplingPlan,
     gen: torch.Generator,
-    plan: SamplingPlan | None = None,
 ) -> Sampled:
     """Tokens and probe outputs for raw `logits` [O, V] of the output rows; `out_tokens` [O] are the
-    rows' input tokens in the pass (their RoPE positions key the seeded draws). `plan`: the pass's
-    `plan_sampling`, made before the model ran (made here if None)."""
-    if plan is None:
-        plan = plan_sampling(fwd, vocab_size, logits.device)
+    rows' input tokens in the pass (their RoPE positions key the seeded draws); `plan`: the pass's
+    `plan_sampling`, made before the model ran."""
     num_out = logits.shape[0]
     masked = apply_logit_masks(logits, plan)
     tokens = cpu_kernels.argmax_rows(masked)  # the first maximum, like argmax
@@ -167,7 +164,7 @@ def sample(
                 topk_counts[o] = k
         if Probe.DISTRIBUTION in flags:
             dists.append(lp.float().cpu().numpy())
-            dist_counts[o] = vocab_size
+            dist_counts[o] = lp.shape[-1]  # the vocabulary: one logit per token
 
     def indptr(counts: npt.NDArray[np.int64]) -> npt.NDArray[np.uint32]:
         return np.concatenate(([0], np.cumsum(counts))).astype(np.uint32)

@@ -430,7 +430,9 @@ at::Tensor run_linear(const at::Tensor& x, const Weights& wt, int64_t sgemm_from
   return y;
 }
 
-void check_rows(const at::Tensor& x) { TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [rows, in]"); }
+void check_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [rows, in]");
+}
 
 // The weights as three tensors: the panels, the scales and the weight sums.
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
@@ -449,7 +451,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
                     sgemm_from_rows);
 }
 
-// The weights as one int8 tensor (`quantize.pack_linear`): the panels, then the n float32 scales,
+// The weights as one int8 tensor (`DynamicInt8Linear.packed_bytes`): the panels, then the n float32 scales,
 // then the n int32 weight sums. One tensor instead of three: the compiled graphs pass a third of
 // the handles, and a call reads one tensor's metadata, which the streamed weights evict.
 at::Tensor w8a8_linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t sgemm_from_rows) {

@@ -3,7 +3,7 @@
 // keys' rows k_cache[key_index[b, j], g] where mask[b, j] (never the padding), so nothing is
 // gathered into a padded copy first; a request whose row is `empty` attends to nothing and gets
 // zeros. The G = H / Hkv query heads of a KV head share each key and value row as it is read.
-// Key lists longer than kPieceKeys run as pieces over the threads, merged in order (`run_tasks`).
+// Longer key lists run as pieces over the threads, merged in order (`run_tasks`).
 //
 // The cache may hold float32, float16 or bfloat16 (`--kv-dtype`); rows are widened to float32 as
 // they are read, and all arithmetic is float32.
@@ -17,6 +17,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -442,12 +444,16 @@ Kernel<T> kernel_for(wafer::Isa isa, int64_t dim) {
   return attend_scalar<T>;
 }
 
-// A (request, KV head) over more keys than this runs as pieces of at most this many keys, each a
-// task of its own, merged in order (`merge_pieces`). So one request's attention spreads over
-// every thread (SmolLM2 has 3 KV heads: one task each, 2 and 1 on two threads, at most 3 of
-// any count), and the cut depends only on the request's own key count: its result is the same
-// alone or in any batch, on any number of threads.
-constexpr int64_t kPieceKeys = 256;
+// A (request, KV head) over more keys than `piece_keys(count)` runs as pieces of at most that
+// many keys, each a task of its own, merged in order (`merge_pieces`). So one request's attention
+// spreads over every thread: SmolLM2 has 3 KV heads, one task each would run 2 and 1 on two
+// threads. Up to kShortKeys keys the pieces are short (kShortPiece: a piece's keys then also stay
+// in L1 while its G heads read them); past it they are long (kLongPiece), since the merge and each
+// piece's softmax cost more than the balance buys there (measured at 1,024 and 2,000 keys). The
+// cut depends only on the request's own key count: its result is the same alone or in any batch,
+// on any number of threads.
+constexpr int64_t kShortPiece = 64, kShortKeys = 512, kLongPiece = 256;
+constexpr int64_t piece_keys(int64_t count) { return count <= kShortKeys ? kShortPiece : kLongPiece; }
 
 // The output of one (request, KV head) from its pieces' unnormalized outputs `part` [P][G][D]
 // and stats [P][G][2]: each piece's sums rescaled to the largest maximum, in piece order.
@@ -470,7 +476,8 @@ void merge_pieces(const float* part, const float* stats, int64_t pieces, int64_t
 
 // All (request, KV head) tasks over a cache of element type T: each request's valid keys (each
 // checked to lie in the cache's `slots`), then
-// every (request, KV head, piece of at most kPieceKeys keys) over the threads, then the merges.
+// every (request, KV head, piece) over the threads, each split (request, KV head) merged by the
+// thread that finishes its last piece (no second parallel region).
 template <typename T>
 void run_tasks(const float* qp, const T* kp, const T* vp, float* op, const int64_t* idx, const bool* mk,
                const bool* em, int64_t b, int64_t h, int64_t hkv, int64_t d, int64_t n, int64_t slots, float scale,
@@ -492,35 +499,34 @@ void run_tasks(const float* qp, const T* kp, const T* vp, float* op, const int64
   // The tasks in (request, KV head, piece) order; `first[r * hkv + g]`: the first of a (r, g).
   std::vector<int64_t> first(static_cast<size_t>(b * hkv + 1), 0);
   for (int64_t task = 0; task < b * hkv; ++task) {
-    first[task + 1] = first[task] + (count[task / hkv] + kPieceKeys - 1) / kPieceKeys;
+    const int64_t c = count[task / hkv], pk = piece_keys(c);
+    first[task + 1] = first[task] + (c + pk - 1) / pk;
   }
   const int64_t tasks = first[b * hkv];
   // The pieces of split (r, g)s leave their outputs and stats here, at their task's place.
-  const bool split = std::any_of(count.begin(), count.end(), [](int64_t c) { return c > kPieceKeys; });
+  const bool split = std::any_of(count.begin(), count.end(), [](int64_t c) { return c > piece_keys(c); });
   std::vector<float> part(split ? static_cast<size_t>(tasks * groups * d) : 0);
   std::vector<float> stats(split ? static_cast<size_t>(tasks * groups * 2) : 0);
+  // Pieces of a split (r, g) still running; the thread that finishes its last merges it.
+  std::unique_ptr<std::atomic<int64_t>[]> left(split ? new std::atomic<int64_t>[b * hkv] : nullptr);
+  for (int64_t rg = 0; split && rg < b * hkv; ++rg) left[rg].store(first[rg + 1] - first[rg], std::memory_order_relaxed);
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores(static_cast<size_t>(groups * std::min(n, kPieceKeys)));
+    std::vector<float> scores(static_cast<size_t>(groups * std::min(n, kLongPiece)));
     int64_t rg = std::upper_bound(first.begin(), first.end(), t0) - first.begin() - 1;
     for (int64_t task = t0; task < t1; ++task) {
       while (first[rg + 1] <= task) ++rg;
       const int64_t r = rg / hkv, g = rg % hkv, pieces = first[rg + 1] - first[rg], p = task - first[rg];
-      const int64_t j0 = p * kPieceKeys, len = std::min(kPieceKeys, count[r] - j0);
+      const int64_t pk = piece_keys(count[r]), j0 = p * pk, len = std::min(pk, count[r] - j0);
       const float* q = qp + (r * h + g * groups) * d;
       float* out = pieces == 1 ? op + (r * h + g * groups) * d : part.data() + task * groups * d;
       float* st = pieces == 1 ? nullptr : stats.data() + task * groups * 2;
       kernel(Task<T>{q, rows.data() + r * n + j0, len, kp + g * d, vp + g * d, groups, d, scale, scores.data(), out,
                      st});
-    }
-  });
-  if (!split) return;
-  at::parallel_for(0, b * hkv, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t rg = g0; rg < g1; ++rg) {
-      const int64_t pieces = first[rg + 1] - first[rg];
-      if (pieces < 2) continue;
-      const int64_t r = rg / hkv, g = rg % hkv;
-      merge_pieces(part.data() + first[rg] * groups * d, stats.data() + first[rg] * groups * 2, pieces, groups, d,
-                   op + (r * h + g * groups) * d);
+      // acq_rel: the merging thread sees every piece's writes, whichever thread made them.
+      if (pieces > 1 && left[rg].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        merge_pieces(part.data() + first[rg] * groups * d, stats.data() + first[rg] * groups * 2, pieces, groups, d,
+                     op + (r * h + g * groups) * d);
+      }
     }
   });
 }

@@ -481,10 +481,11 @@ def test_decode_attention_equals_reference(
 def test_decode_attention_over_pieces_is_the_same_alone_in_a_batch_and_on_any_threads(
     isa: dict[str, str], threads: Callable[[int], None], op: str, h: int, hkv: int, d: int
 ) -> None:
-    # More than 256 keys run as pieces of 256 over the threads, merged in order: 256 is one piece,
-    # 257 two (the second of one key), 600 three; results equal the reference to float32 rounding
-    # and are bit-identical alone, in a batch and on 1, 2 or 3 threads.
-    valid = [600, 0, 256, 257, 30, 1100]
+    # Key lists run as pieces over the threads, merged in order: of 64 keys up to 512 keys (64 is
+    # one piece, 65 two, the second of one key; 512 eight), of 256 past that (513 three, the last of
+    # one key; 600 three; 1100 five); results equal the reference to float32 rounding and are
+    # bit-identical alone, in a batch and on 1, 2 or 3 threads.
+    valid = [600, 0, 64, 65, 30, 512, 513, 1100, 200]
     args = _attention_inputs(h, hkv, d, valid, seed=d, spread=3.0)
     attend = getattr(torch.ops.wafer, op)
     want = _reference(*args, d**-0.5)

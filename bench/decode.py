@@ -299,10 +299,12 @@ def bench_llamacpp(prompt: list[int], new_tokens: int, threads: int) -> tuple[fl
 
     from drivers.torch.gguf_loader import smollm2_path
 
-    llm = _llamacpp_models.get(threads)
+    # The context holds the prompt and the new tokens (llama_decode fails past n_ctx), at least 1,024.
+    n_ctx = max(1024, (len(prompt) + new_tokens + 255) // 256 * 256)
+    llm = _llamacpp_models.get((threads, n_ctx))
     if llm is None:
-        llm = Llama(model_path=str(smollm2_path()), n_ctx=1024, n_threads=threads, n_batch=512, verbose=False)
-        _llamacpp_models[threads] = llm
+        llm = Llama(model_path=str(smollm2_path()), n_ctx=n_ctx, n_threads=threads, n_batch=512, verbose=False)
+        _llamacpp_models[(threads, n_ctx)] = llm
     llm.reset()
     times = []
     t = time.perf_counter()
@@ -313,7 +315,7 @@ def bench_llamacpp(prompt: list[int], new_tokens: int, threads: int) -> tuple[fl
     return len(prompt) / (times[0] - t), new_tokens / (times[-1] - times[0])
 
 
-_llamacpp_models: dict[int, object] = {}
+_llamacpp_models: dict[tuple[int, int], object] = {}
 
 
 def peer_rows(args: argparse.Namespace, prompt: list[int]) -> list[dict[str, object]]:

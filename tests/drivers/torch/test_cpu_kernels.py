@@ -654,13 +654,25 @@ def test_the_driver_names_the_faster_configuration(kernel: None, tmp_path: Path)
     ckpt = load_dir(write_tiny_llama(tmp_path / "m"))
     if cpu_kernels.variants()["w8a8"] == "portable":  # an ARM CPU (the next test covers it)
         pytest.skip(f"this CPU has no vector int8 kernel (supports {' '.join(cpu_kernels.cpu_isas())})")
-    hint = TorchDriver(ckpt, DriverOptions(num_pages=8)).faster_configuration()
-    assert hint.startswith("faster on this CPU: --weights w8a8 --compile (int8 matmuls run the ")
-    assert f"the {cpu_kernels.variants()['w8a8']} kernel" in hint
-    assert hint.endswith("with wafer serve: --driver-arg=--weights --driver-arg=w8a8 --driver-arg=--compile)")
-    w8a8 = TorchDriver(ckpt, DriverOptions(weights="w8a8", num_pages=8)).faster_configuration()
-    assert w8a8.startswith("faster on this CPU: --compile (")
-    assert TorchDriver(ckpt, DriverOptions(dtype="bfloat16", num_pages=8)).faster_configuration() == ""
+
+    def hint(**options: object) -> str:
+        return TorchDriver(ckpt, DriverOptions(num_pages=8, **options)).faster_configuration()  # type: ignore[arg-type]
+
+    default = hint()
+    assert default.startswith("faster on this CPU: --weights w8a8 --compile --kv-dtype float16 (int8 matmuls run the ")
+    assert f"the {cpu_kernels.variants()['w8a8']} kernel" in default
+    assert default.endswith(
+        "with wafer serve: --driver-arg=--weights --driver-arg=w8a8 --driver-arg=--compile "
+        "--driver-arg=--kv-dtype --driver-arg=float16)"
+    )
+    # Each flag is named until it is given; a float32 KV cache named explicitly is still float32.
+    assert hint(weights="w8a8").startswith("faster on this CPU: --compile --kv-dtype float16 (")
+    assert hint(weights="w8a8", kv_dtype="float32").startswith("faster on this CPU: --compile --kv-dtype float16 (")
+    assert hint(kv_dtype="float16").startswith("faster on this CPU: --weights w8a8 --compile (")
+    assert hint(weights="w8a8", kv_dtype="float16").startswith("faster on this CPU: --compile (")
+    assert hint(weights="w8a8", compile=True, kv_dtype="float16") == ""
+    assert hint(kv_dtype="bfloat16", weights="w8a8").startswith("faster on this CPU: --compile (")
+    assert hint(dtype="bfloat16") == ""
 
 
 @needs_kernel

@@ -454,6 +454,10 @@ Kernel<T> kernel_for(wafer::Isa isa, int64_t dim) {
 // on any number of threads.
 constexpr int64_t kShortPiece = 64, kShortKeys = 512, kLongPiece = 256;
 constexpr int64_t piece_keys(int64_t count) { return count <= kShortKeys ? kShortPiece : kLongPiece; }
+// The threads share the tasks by weight, not by count (a request's last piece is short, and the
+// requests of a batch hold different numbers of keys): a task weighs its keys plus a fixed cost
+// (its softmax's setup, a merge) of kTaskCost keys. Which thread runs a task does not change its bits.
+constexpr int64_t kTaskCost = 16;
 
 // The output of one (request, KV head) from its pieces' unnormalized outputs `part` [P][G][D]
 // and stats [P][G][2]: each piece's sums rescaled to the largest maximum, in piece order.
@@ -475,9 +479,9 @@ void merge_pieces(const float* part, const float* stats, int64_t pieces, int64_t
 }
 
 // All (request, KV head) tasks over a cache of element type T: each request's valid keys (each
-// checked to lie in the cache's `slots`), then
-// every (request, KV head, piece) over the threads, each split (request, KV head) merged by the
-// thread that finishes its last piece (no second parallel region).
+// checked to lie in the cache's `slots`), then every (request, KV head, piece) over the threads,
+// shared by weight (kTaskCost), each split (request, KV head) merged by the thread that finishes
+// its last piece (no second parallel region).
 template <typename T>
 void run_tasks(const float* qp, const T* kp, const T* vp, float* op, const int64_t* idx, const bool* mk,
                const bool* em, int64_t b, int64_t h, int64_t hkv, int64_t d, int64_t n, int64_t slots, float scale,
@@ -503,6 +507,24 @@ void run_tasks(const float* qp, const T* kp, const T* vp, float* op, const int64
     first[task + 1] = first[task] + (c + pk - 1) / pk;
   }
   const int64_t tasks = first[b * hkv];
+  if (tasks == 0) return;
+  // Each thread runs consecutive tasks: task t goes to the thread whose share of the total weight
+  // holds the middle of t's weight (`bounds[w]`: thread w's first task).
+  std::vector<int64_t> ends(static_cast<size_t>(tasks));  // the running weight at each task's end
+  int64_t total = 0;
+  for (int64_t rg = 0, t = 0; rg < b * hkv; ++rg) {
+    const int64_t c = count[rg / hkv], pk = piece_keys(c);
+    for (int64_t j0 = 0; j0 < c; j0 += pk, ++t) {
+      total += std::min(pk, c - j0) + kTaskCost;
+      ends[t] = total;
+    }
+  }
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks);
+  std::vector<int64_t> bounds(static_cast<size_t>(workers + 1), tasks);
+  for (int64_t w = 0, t = 0; w < workers; ++w) {
+    while (t < tasks && ((t ? ends[t - 1] : 0) + ends[t]) * workers < 2 * w * total) ++t;
+    bounds[w] = t;
+  }
   // The pieces of split (r, g)s leave their outputs and stats here, at their task's place.
   const bool split = std::any_of(count.begin(), count.end(), [](int64_t c) { return c > piece_keys(c); });
   std::vector<float> part(split ? static_cast<size_t>(tasks * groups * d) : 0);
@@ -510,7 +532,9 @@ void run_tasks(const float* qp, const T* kp, const T* vp, float* op, const int64
   // Pieces of a split (r, g) still running; the thread that finishes its last merges it.
   std::unique_ptr<std::atomic<int64_t>[]> left(split ? new std::atomic<int64_t>[b * hkv] : nullptr);
   for (int64_t rg = 0; split && rg < b * hkv; ++rg) left[rg].store(first[rg + 1] - first[rg], std::memory_order_relaxed);
-  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
+    const int64_t t0 = bounds[w0], t1 = bounds[w1];
+    if (t0 == t1) return;
     std::vector<float> scores(static_cast<size_t>(groups * std::min(n, kLongPiece)));
     int64_t rg = std::upper_bound(first.begin(), first.end(), t0) - first.begin() - 1;
     for (int64_t task = t0; task < t1; ++task) {

@@ -483,8 +483,8 @@ def test_decode_attention_over_pieces_is_the_same_alone_in_a_batch_and_on_any_th
 ) -> None:
     # Key lists run as pieces over the threads, merged in order: of 64 keys up to 512 keys (64 is
     # one piece, 65 two, the second of one key; 512 eight), of 256 past that (513 three, the last of
-    # one key; 600 three; 1100 five); results equal the reference to float32 rounding and are
-    # bit-identical alone, in a batch and on 1, 2 or 3 threads.
+    # one key; 600 three; 1100 five), shared among the threads by their keys; results equal the
+    # reference to float32 rounding and are bit-identical alone, in a batch and on 1, 2 or 3 threads.
     valid = [600, 0, 64, 65, 30, 512, 513, 1100, 200]
     args = _attention_inputs(h, hkv, d, valid, seed=d, spread=3.0)
     attend = getattr(torch.ops.wafer, op)

@@ -500,25 +500,20 @@ void run_tasks(const float* qp, const T* kp, const T* vp, float* op, const int64
       rows[r * n + count[r]++] = idx[r * n + j] * hkv * d;
     }
   }
-  // The tasks in (request, KV head, piece) order; `first[r * hkv + g]`: the first of a (r, g).
+  // The tasks in (request, KV head, piece) order; `first[r * hkv + g]`: the first of a (r, g);
+  // `ends[t]`: the running weight at task t's end (the threads share the tasks by it, below).
   std::vector<int64_t> first(static_cast<size_t>(b * hkv + 1), 0);
-  for (int64_t task = 0; task < b * hkv; ++task) {
-    const int64_t c = count[task / hkv], pk = piece_keys(c);
-    first[task + 1] = first[task] + (c + pk - 1) / pk;
+  std::vector<int64_t> ends;
+  int64_t total = 0;
+  for (int64_t rg = 0; rg < b * hkv; ++rg) {
+    const int64_t c = count[rg / hkv], pk = piece_keys(c);
+    for (int64_t j0 = 0; j0 < c; j0 += pk) ends.push_back(total += std::min(pk, c - j0) + kTaskCost);
+    first[rg + 1] = static_cast<int64_t>(ends.size());
   }
   const int64_t tasks = first[b * hkv];
   if (tasks == 0) return;
   // Each thread runs consecutive tasks: task t goes to the thread whose share of the total weight
   // holds the middle of t's weight (`bounds[w]`: thread w's first task).
-  std::vector<int64_t> ends(static_cast<size_t>(tasks));  // the running weight at each task's end
-  int64_t total = 0;
-  for (int64_t rg = 0, t = 0; rg < b * hkv; ++rg) {
-    const int64_t c = count[rg / hkv], pk = piece_keys(c);
-    for (int64_t j0 = 0; j0 < c; j0 += pk, ++t) {
-      total += std::min(pk, c - j0) + kTaskCost;
-      ends[t] = total;
-    }
-  }
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks);
   std::vector<int64_t> bounds(static_cast<size_t>(workers + 1), tasks);
   for (int64_t w = 0, t = 0; w < workers; ++w) {

@@ -57,6 +57,16 @@ struct Task {
   float* stats;
 };
 
+// Asks for the `bytes` at base + rows[j] for each of the n keys (every cache line of each row),
+// without waiting for them; a prefetch never faults.
+template <typename T>
+inline void prefetch_rows(const T* base, const int64_t* rows, int64_t n, int64_t bytes) {
+  for (int64_t j = 0; j < n; ++j) {
+    const char* p = reinterpret_cast<const char*>(base + rows[j]);
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 2);
+  }
+}
+
 template <typename T>
 void attend_scalar(const Task<T>& t) {
   for (int64_t i = 0; i < t.heads; ++i) {
@@ -532,6 +542,18 @@ void run_tasks(const float* qp, const T* kp, const T* vp, float* op, const int64
     if (t0 == t1) return;
     std::vector<float> scores(static_cast<size_t>(groups * std::min(n, kLongPiece)));
     int64_t rg = std::upper_bound(first.begin(), first.end(), t0) - first.begin() - 1;
+    // The thread asks for all its tasks' key rows, then all their value rows, before it runs any.
+    // In a decode step the weights streamed since this layer's last step have evicted them, and
+    // the kernels read one block of keys at a time: without this each block waited on memory.
+    // (Keys first, then values: asked for task by task, keys and values in turn, it gained nothing.)
+    for (int64_t kv = 0; kv < 2; ++kv) {
+      for (int64_t task = t0, pg = rg; task < t1; ++task) {
+        while (first[pg + 1] <= task) ++pg;
+        const int64_t r = pg / hkv, pk = piece_keys(count[r]), j0 = (task - first[pg]) * pk;
+        prefetch_rows((kv ? vp : kp) + (pg % hkv) * d, rows.data() + r * n + j0, std::min(pk, count[r] - j0),
+                      d * static_cast<int64_t>(sizeof(T)));
+      }
+    }
     for (int64_t task = t0; task < t1; ++task) {
       while (first[rg + 1] <= task) ++rg;
       const int64_t r = rg / hkv, g = rg % hkv, pieces = first[rg + 1] - first[rg], p = task - first[rg];

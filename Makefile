@@ -46,10 +46,11 @@ bench: $(STAMP)
 	$(PY) bench/grammar.py
 	$(PY) bench/serve.py
 
-bench-decode: $(STAMP)  # SmolLM2: decode vs transformers, prefix reuse, spec_ngram, a float16 KV cache's accuracy (~10 minutes)
+bench-decode: $(STAMP)  # SmolLM2: decode vs transformers, prefix reuse, spec_ngram, a float16 KV cache's accuracy, decode attention alone (~13 minutes)
 	$(PY) bench/decode.py
 	$(PY) bench/prefix_spec.py
 	$(PY) bench/kv_quality.py
+	$(PY) bench/attention.py
 
 # Kernel development (not part of `make test`): the C++ kernels built with AddressSanitizer (a
 # build of their own) under their tests and the torch driver's, in a Python that preloads libasan

@@ -24,6 +24,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpu_features.h"
@@ -537,6 +538,11 @@ void run_tasks(const float* qp, const T* kp, const T* vp, float* op, const int64
   // Pieces of a split (r, g) still running; the thread that finishes its last merges it.
   std::unique_ptr<std::atomic<int64_t>[]> left(split ? new std::atomic<int64_t>[b * hkv] : nullptr);
   for (int64_t rg = 0; split && rg < b * hkv; ++rg) left[rg].store(first[rg + 1] - first[rg], std::memory_order_relaxed);
+  // Task `task` of (r, g) = rg: its first key (of the request's valid keys) and how many it reads.
+  auto piece = [&](int64_t rg, int64_t task) {
+    const int64_t c = count[rg / hkv], pk = piece_keys(c), j0 = (task - first[rg]) * pk;
+    return std::pair<int64_t, int64_t>(j0, std::min(pk, c - j0));
+  };
   at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
     const int64_t t0 = bounds[w0], t1 = bounds[w1];
     if (t0 == t1) return;
@@ -549,15 +555,15 @@ void run_tasks(const float* qp, const T* kp, const T* vp, float* op, const int64
     for (int64_t kv = 0; kv < 2; ++kv) {
       for (int64_t task = t0, pg = rg; task < t1; ++task) {
         while (first[pg + 1] <= task) ++pg;
-        const int64_t r = pg / hkv, pk = piece_keys(count[r]), j0 = (task - first[pg]) * pk;
-        prefetch_rows((kv ? vp : kp) + (pg % hkv) * d, rows.data() + r * n + j0, std::min(pk, count[r] - j0),
+        const auto [j0, len] = piece(pg, task);
+        prefetch_rows((kv ? vp : kp) + (pg % hkv) * d, rows.data() + (pg / hkv) * n + j0, len,
                       d * static_cast<int64_t>(sizeof(T)));
       }
     }
     for (int64_t task = t0; task < t1; ++task) {
       while (first[rg + 1] <= task) ++rg;
-      const int64_t r = rg / hkv, g = rg % hkv, pieces = first[rg + 1] - first[rg], p = task - first[rg];
-      const int64_t pk = piece_keys(count[r]), j0 = p * pk, len = std::min(pk, count[r] - j0);
+      const int64_t r = rg / hkv, g = rg % hkv, pieces = first[rg + 1] - first[rg];
+      const auto [j0, len] = piece(rg, task);
       const float* q = qp + (r * h + g * groups) * d;
       float* out = pieces == 1 ? op + (r * h + g * groups) * d : part.data() + task * groups * d;
       float* st = pieces == 1 ? nullptr : stats.data() + task * groups * 2;

@@ -40,7 +40,13 @@ log = logging.getLogger(__name__)
 # decode stack, ~0.3 ms a call); the guards just checked them. Its C++ wrapper (`cpp_wrapper`)
 # runs the graph's kernel calls without a Python step between them: SmolLM2's w8a8 batch-1 decode
 # step went from ~15 to ~11 ms (AMD EPYC, AVX2, 2 threads), at a longer cold compile (~230 s).
-INDUCTOR_OPTIONS = {"size_asserts": False, "cpp_wrapper": True}
+# Inductor splits a generated CPU kernel over the threads (an OpenMP region: a fork and a join)
+# once each thread gets `cpp.min_chunk_size` elements (512 by default): a batch-1 decode step's
+# SiLU (1,536 elements) paid that every layer for a fraction of a microsecond of work. At 1,024 it
+# runs on the calling thread; prefill's and batch 8's kernels are still split. SmolLM2's w8a8 batch-1
+# decode step, both settings alternated in one process (AMD EPYC Zen 4, 2 threads): 0.977 of the
+# time (AVX2 cap, 16 rounds), 0.983 (AVX-512, 12 rounds); the same tokens.
+INDUCTOR_OPTIONS = {"size_asserts": False, "cpp_wrapper": True, "cpp.min_chunk_size": 1024}
 # Guards built with this skip the guards of an nn.Module subtree whose dicts are unchanged (dynamo
 # checks their version tags): the decode stack's guard check took 613 us a step without, 323 with.
 DYNAMO_OPTIONS = {"use_recursive_dict_tags_for_guards": True}

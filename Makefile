@@ -9,7 +9,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 # One thread for torch and BLAS in tests: on 2 cores, two threads collapse when anything else runs.
 TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TORCH_NUM_THREADS=1
 
-.PHONY: run demo test lint bench bench-decode asan-check arm-check gpu-check gpu-check-with venv clean
+.PHONY: run demo test lint bench bench-decode portable-check asan-check arm-check gpu-check gpu-check-with venv clean
 
 $(STAMP): pyproject.toml
 	@echo "==> bootstrapping $(VENV) (first run takes a few minutes)"
@@ -51,6 +51,15 @@ bench-decode: $(STAMP)  # SmolLM2: decode vs transformers, prefix reuse, spec_ng
 	$(PY) bench/prefix_spec.py
 	$(PY) bench/kv_quality.py
 	$(PY) bench/attention.py
+
+# The [portable] acceptance bars on this CPU, each with its verdict: bench/decode.py side by side
+# with llama.cpp and transformers, judged (bench/portable_check.py; ~8 minutes on 2 cores after the
+# first compile). Builds llama-cpp-python from its sdist the first time (the `bench` extra, ~10
+# minutes on 2 cores). CHECK_ARGS passes options, e.g. CHECK_ARGS="--isa avx2" on an AVX-512 CPU.
+portable-check: $(STAMP)
+	@$(PY) -c "import llama_cpp" 2>/dev/null || { echo "==> building llama-cpp-python from its sdist (~10 minutes on 2 cores, once)"; \
+		$(PY) -m pip install -q -e '.[bench]'; }
+	$(PY) bench/portable_check.py $(CHECK_ARGS)
 
 # Kernel development (not part of `make test`): the C++ kernels built with AddressSanitizer (a
 # build of their own) under their tests and the torch driver's, in a Python that preloads libasan

@@ -6,6 +6,9 @@ for the real model. Every stream generates exactly `--tokens` tokens (ignore_eos
 generator (usage over HTTP).
 
     python bench/serve.py [--streams 32] [--tokens 64] [--latency-ms 5] [--smollm2]
+                          [--driver-args="--weights w8a8 --compile --kv-dtype float16"]
+
+`--driver-args` (with --smollm2) gives the torch driver its options (default: --dtype float32).
 """
 
 from __future__ import annotations
@@ -318,11 +321,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--latency-ms", type=float, default=5.0)
     parser.add_argument("--smollm2", action="store_true", help="the torch driver with SmolLM2 instead of the dummy")
+    parser.add_argument("--driver-args", default="--dtype float32", help="with --smollm2: the torch driver's options")
     parser.add_argument("--repeat", type=int, default=3, help="alternated runs of every side; medians are shown")
     parser.add_argument("--out", default="bench/results/serve.json")
     args = parser.parse_args()
     if args.smollm2:
-        driver, driver_args, model = "torch", ["--dtype", "float32"], "SmolLM2"
+        driver, driver_args, model = "torch", args.driver_args.split(), "SmolLM2"
     else:
         driver, driver_args, model = "dummy", ["--pass-latency-ms", str(args.latency_ms)], "dummy"
     sides: dict[str, Callable[[], dict[str, float]]] = {
@@ -348,7 +352,7 @@ def main() -> None:
     median = {name: {key: statistics.median(run[name][key] for run in runs) for key in runs[0][name]} for name in sides}
     print(
         f"{args.streams} concurrent streams x {args.tokens} tokens, {model}"
-        + ("" if args.smollm2 else f" (pass latency {args.latency_ms} ms)")
+        + (f" ({args.driver_args})" if args.smollm2 else f" (pass latency {args.latency_ms} ms)")
         + f"; medians of {args.repeat} alternated runs; load average (1, 5, 15 min) "
         + f"{' '.join(f'{x:.2f}' for x in load_at_start)} at the start, {' '.join(f'{x:.2f}' for x in load)} at the end"
     )

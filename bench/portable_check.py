@@ -127,8 +127,10 @@ def run_decode(args: argparse.Namespace, entries: list[str], out: Path) -> None:
         "--new-tokens", str(args.new_tokens), "--json", str(out),
     ]  # fmt: skip
     env = dict(os.environ)
-    if args.isa:
-        env["ATEN_CPU_CAPABILITY"] = args.isa if args.isa != "avx2_vnni" else "avx2"
+    if args.isa:  # torch's own kernels and Inductor's code at the same level (its names for them)
+        env["ATEN_CPU_CAPABILITY"] = {"portable": "default", "avx2_vnni": "avx2", "avx512_vnni": "avx512"}.get(
+            args.isa, args.isa
+        )
     print("running:", " ".join(command[1:]), flush=True)
     subprocess.run(command, env=env, check=True)
 
@@ -149,7 +151,9 @@ def variant(isa: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="default: all cores")
-    parser.add_argument("--isa", default="", help="cap every kernel at this level (avx2: emulate an AVX2-only CPU)")
+    parser.add_argument(
+        "--isa", default="", choices=["", *ISAS], help="cap every kernel at this level (avx2: emulate an AVX2-only CPU)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="best of N runs per measurement")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--from-json", default="", help="judge this decode.py result instead of running one")

@@ -36,6 +36,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from drivers.torch import cpu_kernels
+
 ROOT = Path(__file__).resolve().parents[1]
 
 BASELINE = "float32"
@@ -93,14 +97,11 @@ def evaluate(result: dict[str, Any], best: str, baseline: str) -> list[dict[str,
     ]
 
 
-ISAS = ("portable", "avx2", "avx2_vnni", "avx512", "avx512_vnni")
-
-
 def report(verdicts: list[dict[str, Any]], best: str, cpu: dict[str, Any]) -> str:
     """The verdicts as a table, under a line naming the CPU, its kind and any cap on the kernels."""
     features = set(cpu.get("features", []))
     kind = "AVX-512" if any(f.startswith("avx512") for f in features) else "AVX2" if "avx2" in features else "other"
-    cap = best.rsplit("+", 1)[-1] if best.rsplit("+", 1)[-1] in ISAS else ""
+    cap = next((f for f in best.split("+")[1:] if f in cpu_kernels.ISAS), "")
     capped = f"; C++ kernels capped at {cap}, torch's at {cpu.get('torch_isa', '?')}" if cap else ""
     lines = [
         f"[portable] acceptance, {best} on {cpu.get('model', '?')} ({kind} CPU{capped}):",
@@ -137,9 +138,6 @@ def run_decode(args: argparse.Namespace, entries: list[str], out: Path) -> None:
 
 def variant(isa: str) -> str:
     """The variant the int8 matmuls run on this CPU under the cap `isa` ("" where not built)."""
-    sys.path.insert(0, str(ROOT))
-    from drivers.torch import cpu_kernels
-
     if not cpu_kernels.load(show_progress=False):
         return ""
     if not isa:
@@ -152,7 +150,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="default: all cores")
     parser.add_argument(
-        "--isa", default="", choices=["", *ISAS], help="cap every kernel at this level (avx2: emulate an AVX2-only CPU)"
+        "--isa",
+        default="",
+        choices=["", *cpu_kernels.ISAS],
+        help="cap every kernel at this level (avx2: emulate an AVX2-only CPU)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="best of N runs per measurement")
     parser.add_argument("--new-tokens", type=int, default=32)

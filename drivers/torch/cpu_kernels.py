@@ -8,6 +8,8 @@ torch's extension directory) and registered as opaque ops that torch.compile cal
   request over keys read in place from the paged cache (`paged_attention.attend_keys`);
 - `torch.ops.wafer.argmax_rows` (`argmax.cpp`): each row's first maximum, for greedy sampling
   (`argmax_rows` below);
+- `torch.ops.wafer.sample_rows` (`sample.cpp`): random sampling of chosen rows, the steps of
+  `sampling.py`'s torch path in one pass over each row (`sample_rows` below);
 - and, not an op, `pass_planner()` (`pass_plan.cpp`, the build loaded as a Python module): a
   pass's checks, layout and attention keys from the request's numpy arrays in one call, the same
   arrays as batch_plan.py's numpy code.
@@ -31,6 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from drivers.torch.progress import Progress
@@ -38,11 +41,11 @@ from drivers.torch.progress import Progress
 log = logging.getLogger(__name__)
 SOURCES = tuple(
     Path(__file__).with_name(n)
-    for n in ("cpu_isa.cpp", "w8a8_kernel.cpp", "decode_attention.cpp", "argmax.cpp", "pass_plan.cpp")
+    for n in ("cpu_isa.cpp", "w8a8_kernel.cpp", "decode_attention.cpp", "argmax.cpp", "sample.cpp", "pass_plan.cpp")
 )
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_features.h", "w8a8_avx2.inc"))
 ISAS = ("portable", "avx2", "avx2_vnni", "avx512", "avx512_vnni")  # cpu_features.h's levels, lowest first
-KERNELS = ("w8a8", "decode_attention", "argmax")
+KERNELS = ("w8a8", "decode_attention", "argmax", "sample")
 # -fopenmp: ATen's `parallel_for` is OpenMP in headers; without it the kernels run on one thread.
 FLAGS = ["-O3", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
@@ -263,3 +266,31 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.wafer.argmax_rows(x)
         return out
     return x.max(-1).indices
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    rows: np.ndarray,
+    temperature: np.ndarray,
+    top_k: np.ndarray,
+    top_p: np.ndarray,
+    min_p: np.ndarray,
+    u: np.ndarray,
+) -> torch.Tensor | None:
+    """The sampled token of each of `logits`' `rows` (int64), with each row's temperature, top-k,
+    top-p, min-p and uniform draw `u`, as `sampling.py`'s torch path picks it (to float32 rounding
+    of the softmax): the C++ op for float32 CPU logits once `load()` registered it (this never
+    builds); None where it does not run (the caller keeps the torch path). The arrays are copied
+    (those decoded from a bridge frame are read-only, which torch.from_numpy refuses)."""
+    if not (_state.get("loaded") and logits.device.type == "cpu" and logits.dtype == torch.float32):
+        return None
+    out: torch.Tensor = torch.ops.wafer.sample_rows(
+        logits,
+        torch.from_numpy(np.array(rows, dtype=np.int64)),
+        torch.from_numpy(np.array(temperature, dtype=np.float32)),
+        torch.from_numpy(np.array(top_k, dtype=np.int64)),
+        torch.from_numpy(np.array(top_p, dtype=np.float32)),
+        torch.from_numpy(np.array(min_p, dtype=np.float32)),
+        torch.from_numpy(np.array(u, dtype=np.float64)),
+    )
+    return out

@@ -84,12 +84,37 @@ def apply_logit_masks(logits: torch.Tensor, plan: SamplingPlan) -> torch.Tensor:
     return masked
 
 
+def _uniforms(
+    fwd: Forward, rows: npt.NDArray[np.int64], positions: npt.NDArray[np.int64], gen: torch.Generator
+) -> npt.NDArray[np.float64]:
+    """Each random row's draw in [0, 1): from (seed, position) where seeded, else from `gen`."""
+    seeds = fwd.seed[rows]
+    u = np.empty(len(rows), dtype=np.float64)
+    seeded = seeds >= 0
+    u[seeded] = seeded_uniform(seeds[seeded], positions[seeded])
+    if np.any(~seeded):
+        u[~seeded] = torch.rand(int((~seeded).sum()), generator=gen, dtype=torch.float64).numpy()
+    return u
+
+
 def _random_tokens(
     logits: torch.Tensor,
     fwd: Forward,
     rows: npt.NDArray[np.int64],
     positions: npt.NDArray[np.int64],
     gen: torch.Generator,
+) -> torch.Tensor:
+    """The random rows' tokens: the C++ op where it runs (`cpu_kernels.sample_rows`, one pass
+    over each row), else these torch steps, which it follows."""
+    u = _uniforms(fwd, rows, positions, gen)
+    native = cpu_kernels.sample_rows(
+        logits, rows, fwd.temperature[rows], fwd.top_k[rows], fwd.top_p[rows], fwd.min_p[rows], u
+    )
+    return native if native is not None else _random_tokens_torch(logits, fwd, rows, u)
+
+
+def _random_tokens_torch(
+    logits: torch.Tensor, fwd: Forward, rows: npt.NDArray[np.int64], u: npt.NDArray[np.float64]
 ) -> torch.Tensor:
     device = logits.device
     temp = torch.as_tensor(fwd.temperature[rows], device=device)
@@ -107,12 +132,6 @@ def _random_tokens(
     keep &= probs >= min_p[:, None] * probs[:, :1]
     kept = torch.where(keep, probs, 0.0)
     cdf = kept.cumsum(-1)
-    seeds = fwd.seed[rows]
-    u = np.empty(len(rows), dtype=np.float64)
-    seeded = seeds >= 0
-    u[seeded] = seeded_uniform(seeds[seeded], positions[seeded])
-    if np.any(~seeded):
-        u[~seeded] = torch.rand(int((~seeded).sum()), generator=gen, dtype=torch.float64).numpy()
     target = torch.as_tensor(u, device=device, dtype=cdf.dtype)[:, None] * cdf[:, -1:]
     pick = torch.searchsorted(cdf, target, right=True).clamp(max=k - 1)
     return ids.gather(1, pick).squeeze(1)
@@ -130,13 +149,17 @@ def sample(
     `plan_sampling`, made before the model ran."""
     num_out = logits.shape[0]
     masked = apply_logit_masks(logits, plan)
-    tokens = cpu_kernels.argmax_rows(masked)  # the first maximum, like argmax
     random_rows, probe_rows = plan.random_rows, plan.probe_rows
-    if len(random_rows):
+    if not len(random_rows):
+        tokens = cpu_kernels.argmax_rows(masked)  # the first maximum, like argmax
+    else:
         positions = fwd.positions.astype(np.int64)[out_tokens[random_rows]]
-        tokens[torch.as_tensor(random_rows, device=logits.device)] = _random_tokens(
-            masked, fwd, random_rows, positions, gen
-        )
+        sampled = _random_tokens(masked, fwd, random_rows, positions, gen)
+        if len(random_rows) == num_out:  # every row, in order: no greedy row to find the maximum of
+            tokens = sampled
+        else:
+            tokens = cpu_kernels.argmax_rows(masked)
+            tokens[torch.as_tensor(random_rows, device=logits.device)] = sampled
     tokens_np = tokens.cpu().numpy().astype(np.int32)  # one torch call, not three
     if not len(probe_rows):  # most passes: nothing but the tokens
         no_probes, nothing = np.zeros(num_out + 1, dtype=np.uint32), np.zeros(0, np.float32)

@@ -27,14 +27,16 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from torch.utils import cpp_extension
 
 from bridge_schema.messages import Hello
 from drivers.errors import ConfigRejected
-from drivers.torch import cpu_kernels, quantize
+from drivers.torch import cpu_kernels, quantize, sampling
 from drivers.torch.attention_ref import masked_attention
 from drivers.torch.direct_graphs import DirectGraphs
 from drivers.torch.driver import DriverOptions, TorchDriver
@@ -628,6 +630,125 @@ def test_argmax_rows_equals_torch_max_indices(isa: dict[str, str], n: int) -> No
     assert torch.equal(cpu_kernels.argmax_rows(x.double()), x.max(-1).indices)  # other dtypes: torch
 
 
+# ---------------------------------------------------------------------------- random sampling
+
+
+def _sampling_params(rows: int, seed: int) -> dict[str, np.ndarray]:
+    """Per-row temperature, top-k, top-p, min-p and draw, mixed as requests mix them."""
+    rng = np.random.default_rng(seed)
+    return {
+        "temperature": rng.choice([1.0, 0.7, 1.6], rows).astype(np.float32),
+        "top_k": rng.choice([0, 0, 1, 7, 50], rows).astype(np.uint32),
+        "top_p": rng.choice([1.0, 1.0, 0.9, 0.5], rows).astype(np.float32),
+        "min_p": rng.choice([0.0, 0.0, 0.05], rows).astype(np.float32),
+        "u": rng.random(rows),
+    }
+
+
+def _torch_sample(logits: torch.Tensor, rows: np.ndarray, p: dict[str, np.ndarray]) -> torch.Tensor:
+    """`sampling.py`'s torch steps for `rows` of `logits` (the Forward's fields it reads, per output)."""
+    fields = {k: np.zeros(logits.shape[0], dtype=v.dtype) for k, v in p.items() if k != "u"}
+    for k in fields:
+        fields[k][rows] = p[k]
+    return sampling._random_tokens_torch(logits, SimpleNamespace(**fields), rows, p["u"])  # type: ignore[arg-type]
+
+
+def _on_an_edge(row: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float, u: float) -> bool:
+    """Whether float32 rounding can decide this draw: its target, a top-p or a min-p cut lies within
+    1e-5 of a step of the row's cumulative distribution (computed in float64)."""
+    vals = np.sort((row.double() / temperature).numpy())[::-1][:256]
+    vals = vals[np.isfinite(vals)]
+    probs = np.exp(vals - vals[0]) / np.exp(vals - vals[0]).sum()
+    before = np.cumsum(probs) - probs
+    rank = np.arange(len(probs))
+    keep = ((top_k == 0) | (rank < top_k)) & ((before < top_p) | (rank == 0)) & (probs >= min_p * probs[0])
+    cdf = np.cumsum(np.where(keep, probs, 0.0))
+    eps = 1e-5
+    return bool(
+        np.min(np.abs(cdf - u * cdf[-1])) < eps or np.min(np.abs(before - top_p)) < eps
+        or np.min(np.abs(probs - min_p * probs[0])) < eps
+    )
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [1, 5, 96, 255, 256, 257, 1000, 8191, 8192, 16421, 32768, 49152, 49153])
+def test_sample_rows_picks_the_torch_paths_token(isa: dict[str, str], n: int) -> None:
+    # Every row of mixed parameters picks what the torch steps pick; only a draw that float32
+    # rounding decides (the two softmaxes differ in the last bits) may differ, and none does here.
+    g = torch.Generator().manual_seed(n)
+    logits = torch.randn(7, n, generator=g) * torch.tensor([[0.5], [2.0], [8.0], [3.0], [1.0], [4.0], [2.0]])
+    logits[3, torch.randperm(n, generator=g)[: n * 9 // 10]] = -float("inf")  # a logit mask allows a tenth
+    logits[4] = torch.sort(logits[4]).values  # ascending: every logit better than those before it
+    rows = np.array([0, 1, 2, 3, 4, 6], dtype=np.int64)  # row 5 not sampled
+    mismatched = 0
+    for seed in range(6):
+        p = _sampling_params(len(rows), seed * 1000 + n)
+        got = cpu_kernels.sample_rows(logits, rows, p["temperature"], p["top_k"], p["top_p"], p["min_p"], p["u"])
+        assert got is not None and got.dtype == torch.int64
+        want = _torch_sample(logits, rows, p)
+        for i in np.flatnonzero((got != want).numpy()):
+            args = (float(p["temperature"][i]), int(p["top_k"][i]), float(p["top_p"][i]), float(p["min_p"][i]))
+            assert _on_an_edge(logits[rows[i]], *args, float(p["u"][i])), f"row {rows[i]}: {got[i]} != {want[i]}"
+            mismatched += 1
+    assert mismatched == 0  # holds for these seeds (and tells when a change moves a pick)
+
+
+@needs_kernel
+def test_sample_rows_ties_nan_and_infinities(isa: dict[str, str]) -> None:
+    n = 49152
+    x = torch.zeros(6, n)
+    x[1, 7] = x[1, 40000] = 5.0  # two equally likely tokens far above the rest: the lower id first
+    x[2] = -float("inf")  # nothing allowed: the first maximum, as greedy
+    x[3, 100] = x[3, 30000] = float("nan")  # the first NaN, as greedy
+    x[4, 9] = x[4, 20] = float("inf")  # an infinite logit: the first one
+    x[5, :300] = -float("inf")  # the first 300 tokens masked out
+    rows = np.arange(6, dtype=np.int64)
+    ones, zeros = np.ones(6, np.float32), np.zeros(6, np.float32)
+
+    def pick(top_k: int, u: float) -> list[int]:
+        got = cpu_kernels.sample_rows(x, rows, ones, np.full(6, top_k, np.uint32), ones, zeros, np.full(6, u))
+        assert got is not None
+        return got.tolist()
+
+    assert pick(1, 0.99) == [0, 7, 0, 100, 9, 300]  # top-k 1: the first of the tied best
+    low, high = pick(0, 0.0), pick(0, 0.999999)
+    assert (low[0], high[0]) == (0, 255)  # all equal: the 256 lowest ids, in order
+    assert (low[5], high[5]) == (300, 555)  # -inf logits are never kept
+    assert pick(2, 0.0)[1] == 7 and pick(2, 0.999999)[1] == 40000  # tied tokens share the mass in id order
+    assert low[2:5] == [0, 100, 9] and high[2:5] == [0, 100, 9]  # the draw changes nothing there
+
+
+@needs_kernel
+def test_a_rows_sample_does_not_depend_on_its_batch(kernel: None) -> None:
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, 49152, generator=g) * 3
+    rows = np.arange(9, dtype=np.int64)
+    p = _sampling_params(9, 11)
+    batch = cpu_kernels.sample_rows(logits, rows, p["temperature"], p["top_k"], p["top_p"], p["min_p"], p["u"])
+    assert batch is not None
+    for r in range(9):
+        one = {k: v[r : r + 1] for k, v in p.items()}
+        alone = cpu_kernels.sample_rows(
+            logits, rows[r : r + 1], one["temperature"], one["top_k"], one["top_p"], one["min_p"], one["u"]
+        )
+        assert alone is not None and int(alone[0]) == int(batch[r])
+
+
+@needs_kernel
+def test_sample_rows_refuses_bad_arguments(kernel: None) -> None:
+    x = torch.randn(2, 50)
+    one = (np.ones(1, np.float32), np.zeros(1, np.int64), np.ones(1, np.float32), np.zeros(1, np.float32))
+    params = [torch.from_numpy(a) for a in one]
+    with pytest.raises(RuntimeError, match="rows: row 2 is not a row of the logits"):
+        torch.ops.wafer.sample_rows(x, torch.tensor([2]), *params, torch.ones(1).double())
+    with pytest.raises(RuntimeError, match="u: one per row, Double"):
+        torch.ops.wafer.sample_rows(x, torch.tensor([0]), *params, torch.ones(2).double())
+    with pytest.raises(RuntimeError, match="logits: float32"):
+        torch.ops.wafer.sample_rows(x.double(), torch.tensor([0]), *params, torch.ones(1).double())
+    # Not float32 CPU logits: the caller keeps the torch path.
+    assert cpu_kernels.sample_rows(x.double(), np.zeros(1, np.int64), *one, np.ones(1)) is None
+
+
 @needs_kernel
 def test_the_driver_reports_its_kernels_variants(
     kernel: None, tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -637,7 +758,7 @@ def test_the_driver_reports_its_kernels_variants(
     best = cpu_kernels.variants()
     with caplog.at_level(logging.INFO, logger="drivers.torch.driver"):
         drv = TorchDriver(ckpt, DriverOptions(weights="w8a8", num_pages=8))
-    line = f"w8a8 {best['w8a8']}, decode_attention {best['decode_attention']}, argmax {best['argmax']}"
+    line = ", ".join(f"{k} {best[k]}" for k in ("w8a8", "decode_attention", "argmax", "sample"))
     assert f"CPU kernels: {line}" in caplog.text and "; CPU supports portable" in caplog.text
     # A CPU with no vector variant at all (an ARM CPU) says so in the same line.
     no_vector = "(no vector variant for this CPU: correct, not fast)"

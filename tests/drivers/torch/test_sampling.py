@@ -1,5 +1,6 @@
 """Logit masks (bit j of word i = token 32i+j), samplers (greedy, temperature, top-k, top-p,
-min-p, seeded and reproducible) and probe outputs, on a tiny random Llama."""
+min-p, seeded and reproducible) and probe outputs, on a tiny random Llama; random sampling both
+in the C++ op (`cpu_kernels.sample_rows`, where it builds) and on the torch path beside it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from bridge_schema.batch import OutputSpec, Sampler, pack_allowed, split_result
 from bridge_schema.messages import Probe
+from drivers.torch import cpu_kernels
 from drivers.torch.driver import TorchDriver
 from drivers.torch.sampling import unpack_logit_masks
 from tests.drivers.torch.helpers import forward, load_dir, make_driver, random_tokens, request, write_tiny_llama
@@ -21,6 +23,14 @@ TOKS = random_tokens(6, V, 7)
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory: pytest.TempPathFactory) -> TorchDriver:
     return make_driver(load_dir(write_tiny_llama(tmp_path_factory.mktemp("llama") / "m")), page_size=4, num_pages=8)
+
+
+@pytest.fixture(autouse=True, params=["kernel", "torch"])
+def random_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Random rows sampled by the C++ op (where the kernels are built) or by the torch path."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_kernels, "sample_rows", lambda *args: None)
+    return str(request.param)
 
 
 def _one(drv: TorchDriver, out: OutputSpec, toks: list[int] = TOKS) -> tuple[int, object]:

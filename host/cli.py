@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from host import dev_loop
 from host.build import BuildError, build, resolve_inferlet, rewrite_guest_paths, write_bindings
 from host.daemon.cli import add_serve_command
+from host.engine.config import MULTI_STEP_BUDGET_MS
 from host.errors import HostError
 from host.sandbox import BufferedRunIO, RunOutcome, RunStatus, Sandbox, SandboxConfig, SandboxError
 from host.sandbox.config import MIB, default_cache_dir
@@ -264,6 +265,12 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=16,
         help="decode steps per pass of host-side generation while passes are short, 1 = off (default: 16)",
+    )
+    parser.add_argument(
+        "--multi-step-budget-ms",
+        type=float,
+        default=MULTI_STEP_BUDGET_MS,
+        help="how long one multi-step pass may hold the device, 0 = one step (default: 25)",
     )
     parser.add_argument(
         "--adapter-dir",

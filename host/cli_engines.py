@@ -22,6 +22,7 @@ def engine_configs(ns: argparse.Namespace, say: Callable[[str], None]) -> list[E
             driver_args=(*ns.driver_arg, *own),
             speculation_depth=ns.speculation_depth,
             max_decode_steps=ns.max_decode_steps,
+            multi_step_budget_ms=ns.multi_step_budget_ms,
             adapter_dir=ns.adapter_dir,
         )
         for driver, own in entries

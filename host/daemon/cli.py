@@ -41,6 +41,11 @@ _FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         {"type": int, "help": "decode steps per pass of host-side generation (default 16; 1 off)"},
     ),
     (
+        "--multi-step-budget-ms",
+        "multi_step_budget_ms",
+        {"type": float, "help": "how long one multi-step pass may hold the device (default 25; 0: one step)"},
+    ),
+    (
         "--prefix-match-unit",
         "prefix_match_unit",
         {"type": int, "help": "prefix reuse in whole pages of this size: the driver's page size (default 0: off)"},

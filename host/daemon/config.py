@@ -20,6 +20,7 @@ from bridge_schema.messages import MAX_DECODE_STEPS
 from host.daemon.errors import DaemonConfigError
 from host.driver_link import BUILTIN_DRIVERS
 from host.driver_process import DriverEntryError, split_driver
+from host.engine.config import MULTI_STEP_BUDGET_MS
 from host.sandbox.config import MIB, SandboxConfig, default_cache_dir
 
 LOG_FORMATS = ("json", "text")
@@ -41,6 +42,7 @@ class DaemonConfig:
     served_model_name: str = ""  # the id in /v1/models; default: the driver's model name
     speculation_depth: int = 1
     max_decode_steps: int = 16  # multi-step requests while passes are short; 1 = off
+    multi_step_budget_ms: float = MULTI_STEP_BUDGET_MS  # how long one multi-step request may hold the device
     # Prefix reuse: a prompt's whole pages already in the KV cache are not computed again (the
     # driver's page size, 16 for ours; 0 = off). With replicas, a run goes where its prefix is.
     prefix_match_unit: int = 0
@@ -275,6 +277,7 @@ def _check(c: DaemonConfig) -> None:
     minimums: dict[str, float] = {
         "speculation_depth": 0,
         "max_decode_steps": 1,
+        "multi_step_budget_ms": 0,
         "prefix_match_unit": 0,
         "max_concurrent_runs": 1,
         "run_memory_mib": 16,  # componentize-py's interpreter alone needs about 12 MiB

@@ -167,6 +167,7 @@ class Supervisor:
                     driver=address,
                     speculation_depth=self._config.speculation_depth,
                     max_decode_steps=self._config.max_decode_steps,
+                    multi_step_budget_ms=self._config.multi_step_budget_ms,
                     prefix_match_unit=self._config.prefix_match_unit,
                     adapter_dir=self._config.adapter_dir,
                     max_loaded_adapters=self._config.max_loaded_adapters,

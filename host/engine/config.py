@@ -11,6 +11,11 @@ from host.driver_link import DriverSpec
 from host.errors import InvalidRequest
 from host.page_quota import PageQuota
 
+# How long one multi-step request may hold the device by default (`multi_step_budget_ms`): under
+# two frames of a 60 Hz screen, so a stream's tokens in bursts of it read as smoothly as one at a
+# time, while the host's work per pass is spread over 4-5 tokens of a CPU model's ~5 ms steps.
+MULTI_STEP_BUDGET_MS = 25.0
+
 
 @dataclass(frozen=True, slots=True)
 class GrammarBudget:
@@ -39,6 +44,10 @@ class EngineConfig:
     preference from its handshake, e.g. 512 for the torch driver on the CPU; else as the pass allows).
     `max_decode_steps`: the most steps of a multi-step request (host-side generation runs that
     many per pass while passes are short; 1 turns multi-step off).
+    `multi_step_budget_ms`: how long one multi-step request may hold the device: as many steps
+    as fit in it at the measured time per step (0: one step a pass). Longer spreads the host's
+    per-pass work over more tokens; a stream then gets its tokens in bursts of that length, and a
+    request arriving meanwhile waits up to that long to join the batch.
     `startup_timeout_s`: how long the driver's handshake is waited for.
     `grammar_budget`: the grammar compiler's time and memory budgets.
 
@@ -58,6 +67,7 @@ class EngineConfig:
     max_group_page_fraction: float = 1.0
     max_fill_chunk_tokens: int = 0
     max_decode_steps: int = 16
+    multi_step_budget_ms: float = MULTI_STEP_BUDGET_MS
     startup_timeout_s: float = 60.0
     grammar_budget: GrammarBudget = field(default_factory=GrammarBudget)
 
@@ -65,6 +75,8 @@ class EngineConfig:
         object.__setattr__(self, "driver_args", tuple(self.driver_args))
         self.driver_spec().kind  # noqa: B018 - validates the driver name
         PageQuota(0, self.max_run_page_fraction, self.max_group_page_fraction)  # validates the shares
+        if not 0 <= self.multi_step_budget_ms < float("inf"):
+            raise InvalidRequest(f"multi_step_budget_ms must be >= 0 (milliseconds), got {self.multi_step_budget_ms}")
         if self.page_size:  # judged now against the size asked for, and again after the
             # handshake against the size the driver resolved (`check_resolved`)
             try:

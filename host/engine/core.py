@@ -40,8 +40,6 @@ from host.tokenizer import tokenizer_from_handshake
 
 # Two passes in flight: the driver works on one while the next is built and sent.
 MAX_PASSES_IN_FLIGHT = 2
-# A multi-step pass should hold the device about this long at most (see `max_decode_steps`).
-MULTI_STEP_BUDGET_S = 0.010
 
 
 class Continuation(Protocol):
@@ -88,6 +86,7 @@ class EngineCore:
         self._ready: list[tuple[Continuation, PassResult]] = []  # generations to continue
         self._run_adapters: dict[int, set[int]] = {}
         self._decode_steps_cap = config.decode_steps_cap
+        self._multi_step_budget_s = config.multi_step_budget_ms / 1000
         self.is_multi_step = MULTI_STEP in h.capabilities and cache is None and self._decode_steps_cap > 1
         self._step_s = 0.0  # moving average of a pass's time per decode step, send to reply
         self.num_in_flight = 0
@@ -214,12 +213,12 @@ class EngineCore:
         return dict(NO_STATS)
 
     def max_decode_steps(self) -> int:
-        """Steps per multi-step request: as many as fit in `MULTI_STEP_BUDGET_S` of the device
+        """Steps per multi-step request: as many as fit in `multi_step_budget_ms` of the device
         at the measured time per step, so a multi-step pass never holds up other requests or a
         client's stream by much more than that; 1 until a pass has been timed."""
         if not self.is_multi_step or not self._step_s:
             return 1
-        return max(1, min(self._decode_steps_cap, int(MULTI_STEP_BUDGET_S / self._step_s)))
+        return max(1, min(self._decode_steps_cap, int(self._multi_step_budget_s / self._step_s)))
 
     # ------------------------------------------------------------------ the loop's verbs
 

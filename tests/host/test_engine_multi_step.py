@@ -133,7 +133,14 @@ def test_the_engine_asks_for_several_steps_only_once_passes_are_timed_short() ->
         assert fast.max_decode_steps() > 1  # the dummy answers in well under a millisecond
     with Engine.start(EngineConfig("dummy", ["--num-pages", "64", "--pass-latency-ms", "10"])) as slow:
         _single_steps(slow, next(_runs), Sampler(), 3)
-        assert slow.max_decode_steps() == 1  # a 10 ms step already exceeds the budget
+        assert slow.max_decode_steps() == 2  # 10 ms steps: two fit in the default budget of 25 ms
+    slow_args = ["--num-pages", "64", "--pass-latency-ms", "10"]
+    with Engine.start(EngineConfig("dummy", slow_args, multi_step_budget_ms=10)) as tight:
+        _single_steps(tight, next(_runs), Sampler(), 3)
+        assert tight.max_decode_steps() == 1  # a 10 ms step already fills a 10 ms budget
+    with Engine.start(EngineConfig("dummy", ["--num-pages", "64"], multi_step_budget_ms=0)) as none:
+        _single_steps(none, next(_runs), Sampler(), 4)
+        assert none.max_decode_steps() == 1  # no budget: one step a pass, however fast
     with Engine.start(EngineConfig("dummy", ["--num-pages", "64"], max_decode_steps=1)) as off:
         _single_steps(off, next(_runs), Sampler(), 4)
         assert off.max_decode_steps() == 1
@@ -193,3 +200,8 @@ def test_a_generations_next_step_runs_with_the_engine_lock_released(engine: Engi
         assert served_meanwhile == [True, True, True]
     finally:
         engine.end_run(run)
+
+
+def test_a_negative_multi_step_budget_is_refused() -> None:
+    with pytest.raises(InvalidRequest, match="multi_step_budget_ms must be >= 0"):
+        EngineConfig("dummy", multi_step_budget_ms=-1)

@@ -18,13 +18,15 @@ def test_defaults() -> None:
 
 def test_flags_beat_environment_beat_file(tmp_path: Path) -> None:
     path = tmp_path / "wafer.toml"
-    path.write_text('port = 9000\nhost = "0.0.0.0"\napi_keys = ["a"]\nspeculation_depth = 2\n')
+    path.write_text(
+        'port = 9000\nhost = "0.0.0.0"\napi_keys = ["a"]\nspeculation_depth = 2\nmulti_step_budget_ms = 40\n'
+    )
     env = {"WAFER_PORT": "9001", "WAFER_API_KEYS": "b, c", "WAFER_DRIVER_ARGS": "--num-pages 64"}
     config = load_config({"port": 9002, "driver": None}, environ=env, config_path=path)
     assert config.port == 9002  # flag
     assert config.api_keys == ("b", "c")  # environment over file
     assert config.host == "0.0.0.0"  # file
-    assert config.speculation_depth == 2
+    assert config.speculation_depth == 2 and config.multi_step_budget_ms == 40.0
     assert config.driver_args == ("--num-pages", "64")
     assert config.driver == "dummy"  # a None flag is unset
 
@@ -99,6 +101,8 @@ def test_drivers_list_replicas_and_replace_driver(tmp_path: Path) -> None:
         ({"prefix_match_unit": -16}, {}, "prefix_match_unit"),
         ({"max_decode_steps": 0}, {}, "max_decode_steps"),
         ({}, {"WAFER_MAX_DECODE_STEPS": "65"}, "max_decode_steps"),
+        ({"multi_step_budget_ms": -1}, {}, "multi_step_budget_ms"),
+        ({}, {"WAFER_MULTI_STEP_BUDGET_MS": "long"}, "multi_step_budget_ms"),
         ({"max_concurrent_runs": 0}, {}, "max_concurrent_runs"),
         ({"run_memory_mib": 8}, {}, "run_memory_mib"),
         ({"run_timeout_s": 0}, {}, "run_timeout_s"),

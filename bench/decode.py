@@ -8,9 +8,10 @@ Prints the CPU it ran on and which variant each C++ kernel runs.
     python bench/decode.py [--threads N] [--dtype float32,float32+w8a8+compile] [--batches 1,8,32]
                            [--peer llamacpp] [--json PATH]
 
-Each --dtype entry is DTYPE[+WEIGHTS][+compile][+torchmm][+torchattn][+unpacked][+kv16][+graphs][+ISA]:
+Each --dtype entry is DTYPE[+WEIGHTS][+compile][+torchmm][+torchf32][+torchattn][+unpacked][+kv16][+graphs][+ISA]:
 the activation dtype, the weight kind (int8, w8a8; dense when absent), whether the driver runs its
 compiled path, (torchmm) whether w8a8 keeps the torch matmul path instead of the C++ kernel,
+(torchf32) whether dense float32 decode keeps torch's matmuls instead of the C++ kernel,
 (torchattn) whether float32 decode keeps the torch attention path instead of the C++ kernel,
 (unpacked) whether int8 weights stay one tensor each instead of one buffer on huge pages,
 (kv16) a float16 KV cache, (graphs) decode passes replayed from CUDA graphs (CUDA only), and
@@ -171,7 +172,7 @@ def best_of(repeats: int, run: Callable[[], tuple[float, float]]) -> tuple[float
     return max(r[0] for r in results), max(r[1] for r in results)
 
 
-_FLAGS = ("compile", "torchmm", "torchattn", "unpacked", "kv16", "graphs", *cpu_kernels.ISAS)
+_FLAGS = ("compile", "torchmm", "torchf32", "torchattn", "unpacked", "kv16", "graphs", *cpu_kernels.ISAS)
 
 
 def isa_of(spec: str) -> str:
@@ -194,6 +195,7 @@ def make_driver(ckpt: Checkpoint, spec: str, device: str, num_pages: int) -> Tor
         weights=weights,
         compile="compile" in flags,
         w8a8_kernel="torchmm" not in flags,
+        f32_kernel="torchf32" not in flags,
         attention_kernel="torchattn" not in flags,
         kv_dtype="float16" if "kv16" in flags else "",
         pack_weights="unpacked" not in flags,

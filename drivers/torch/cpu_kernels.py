@@ -41,11 +41,19 @@ from drivers.torch.progress import Progress
 log = logging.getLogger(__name__)
 SOURCES = tuple(
     Path(__file__).with_name(n)
-    for n in ("cpu_isa.cpp", "w8a8_kernel.cpp", "decode_attention.cpp", "argmax.cpp", "sample.cpp", "pass_plan.cpp")
+    for n in (
+        "cpu_isa.cpp",
+        "w8a8_kernel.cpp",
+        "f32_matvec.cpp",
+        "decode_attention.cpp",
+        "argmax.cpp",
+        "sample.cpp",
+        "pass_plan.cpp",
+    )
 )
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_features.h", "w8a8_avx2.inc"))
 ISAS = ("portable", "avx2", "avx2_vnni", "avx512", "avx512_vnni")  # cpu_features.h's levels, lowest first
-KERNELS = ("w8a8", "decode_attention", "argmax", "sample")
+KERNELS = ("w8a8", "decode_attention", "argmax", "sample", "f32_linear")
 # -fopenmp: ATen's `parallel_for` is OpenMP in headers; without it the kernels run on one thread.
 FLAGS = ["-O3", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
@@ -78,6 +86,10 @@ def _fake_attention(
     scale: float,
 ) -> torch.Tensor:
     return q.new_empty(q.shape)
+
+
+def _fake_f32_linear(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w_t.shape[1])
 
 
 def _fake_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -202,6 +214,7 @@ def _build(show_progress: bool) -> bool:
     torch.library.register_fake("wafer::w8a8_linear_packed")(_fake_linear_packed)
     torch.library.register_fake("wafer::decode_attention")(_fake_attention)
     torch.library.register_fake("wafer::argmax_rows")(_fake_argmax)
+    torch.library.register_fake("wafer::f32_linear_t")(_fake_f32_linear)
     return True
 
 

@@ -67,6 +67,9 @@ class DriverOptions:
     # w8a8 on the CPU: the C++ kernel of `cpu_kernels.py` where it builds; False keeps the torch
     # path (same results; for side-by-side measurements).
     w8a8_kernel: bool = True
+    # Dense float32 on the CPU: decode's matmuls (up to 4 rows) through the C++ op of
+    # `cpu_kernels.py` where it builds; False keeps torch's (for side-by-side measurements).
+    f32_kernel: bool = True
     # Decode passes in float32 on the CPU: the C++ attention of `cpu_kernels.py` where it builds;
     # False keeps the torch path (same results to float32 rounding; for side-by-side measurements).
     attention_kernel: bool = True
@@ -125,7 +128,7 @@ class TorchDriver:
         if options.weights != "dense":
             self.model = quantize_int8(self.model, options.weights, options.w8a8_kernel, options.pack_weights)
         elif self.device.type == "cpu" and self.dtype == torch.float32:
-            self.model = transpose_linears(self.model)
+            self.model = transpose_linears(self.model, options.f32_kernel and cpu_kernels.load())
         self.use_triton = self.device.type == "cuda"
         self.attention_kernel = (
             options.attention_kernel

@@ -630,6 +630,80 @@ def test_argmax_rows_equals_torch_max_indices(isa: dict[str, str], n: int) -> No
     assert torch.equal(cpu_kernels.argmax_rows(x.double()), x.max(-1).indices)  # other dtypes: torch
 
 
+# ---------------------------------------------------------------------------- float32 decode matmuls
+
+
+@needs_kernel
+@pytest.mark.parametrize(("k", "n"), [(1, 1), (7, 33), (576, 960), (1536, 576), (3, 4097), (5, 8193), (64, 100)])
+def test_f32_linear_is_exact_to_float32_rounding_and_batch_and_thread_invariant(
+    isa: dict[str, str], threads: Callable[[int], None], k: int, n: int
+) -> None:
+    # Against float64: within float32 rounding of a k-term sum. A row's bits are the same alone and
+    # beside 1-3 others, on 1-3 threads; the vector variants give the same bits; more than 4 rows
+    # are torch's matmul, bit for bit.
+    g = torch.Generator().manual_seed(k * n)
+    w_t, x = torch.randn(k, n, generator=g), torch.randn(6, k, generator=g)
+    x[2, : k // 2] *= 1000  # a row with a huge half
+    exact = x.double() @ w_t.double()
+    scale = x.double().abs() @ w_t.double().abs()
+    op = torch.ops.wafer.f32_linear_t
+    for m in (1, 2, 3, 4):
+        for t in (1, 2, 3):
+            threads(t)
+            got = op(x[:m], w_t)
+            assert got.shape == (m, n)
+            assert ((got.double() - exact[:m]).abs() <= 1e-6 * (k + 8) * scale[:m]).all(), (isa["f32_linear"], m, t)
+            for row in range(m):
+                assert torch.equal(op(x[row : row + 1], w_t)[0], got[row]), (isa["f32_linear"], m, t, row)
+    assert torch.equal(op(x, w_t), x @ w_t)  # 6 rows: torch's matmul
+    if isa["f32_linear"] == "avx2" and "avx512" in cpu_kernels.cpu_isas():
+        with cpu_kernels.limit_isa("avx512"):
+            assert torch.equal(op(x[:4], w_t), got)
+
+
+@needs_kernel
+def test_f32_linear_refuses_what_it_cannot_multiply(kernel: None) -> None:
+    with pytest.raises(RuntimeError, match="x has 5 inputs, w_t 6"):
+        torch.ops.wafer.f32_linear_t(torch.randn(1, 5), torch.randn(6, 3))
+    with pytest.raises(RuntimeError, match="w_t: contiguous float32"):
+        torch.ops.wafer.f32_linear_t(torch.randn(1, 6), torch.randn(3, 6).T)
+    with pytest.raises(RuntimeError, match="x: float32"):
+        torch.ops.wafer.f32_linear_t(torch.randn(1, 6).double(), torch.randn(6, 3))
+
+
+@needs_kernel
+def test_float32_decode_runs_the_f32_kernel_with_torchs_logits(kernel: None, tmp_path: Path) -> None:
+    # Dense float32 on the CPU: decode rows (up to 4) through the op, prefill through torch; the
+    # logits agree with the torch path's to float32 rounding; `f32_kernel=False` keeps torch's.
+    ckpt = load_dir(write_tiny_llama(tmp_path / "m"))
+    on = make_driver(ckpt)
+    off = TorchDriver(ckpt, DriverOptions(page_size=16, num_pages=64, f32_kernel=False))
+    off.handshake(Hello())
+    assert on.model.output_head.use_kernel and not off.model.output_head.use_kernel
+    calls = {"n": 0}
+    real = torch.ops.wafer.f32_linear_t
+
+    def counted(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        return real(x, w_t)
+
+    toks = random_tokens(9, ckpt.cfg.vocab_size, 3)
+    prefill = forward([request(toks, 0, range(4), 16)])
+    decode = forward([request(toks[:1], 9, range(4), 16), request(toks[1:2], 9, range(4, 8), 16)])
+    for drv in (on, off):
+        drv.logits(prefill)
+        drv.logits(forward([request(toks, 0, range(4, 8), 16)]))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.ops.wafer, "f32_linear_t", counted)
+        got = on.logits(decode)
+        assert calls["n"] == 1 + 4 * ckpt.cfg.num_layers  # the head, then per layer qkv, o, gate/up, down
+        calls["n"] = 0
+        on.logits(forward([request(toks, 0, range(8, 12), 16)]))  # 9 rows: torch's matmul
+        assert calls["n"] == 1  # but the head, for the one output row
+    want = off.logits(decode)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
 # ---------------------------------------------------------------------------- random sampling
 
 

@@ -293,17 +293,22 @@ def sample_rows(
     """The sampled token of each of `logits`' `rows` (int64), with each row's temperature, top-k,
     top-p, min-p and uniform draw `u`, as `sampling.py`'s torch path picks it (to float32 rounding
     of the softmax): the C++ op for float32 CPU logits once `load()` registered it (this never
-    builds); None where it does not run (the caller keeps the torch path). The arrays are copied
-    (those decoded from a bridge frame are read-only, which torch.from_numpy refuses)."""
+    builds); None where it does not run (the caller keeps the torch path). An array is copied only
+    where its dtype differs or it is read-only (decoded from a bridge frame: torch.from_numpy
+    refuses those)."""
     if not (_state.get("loaded") and logits.device.type == "cpu" and logits.dtype == torch.float32):
         return None
+
+    def tensor(a: np.ndarray, dtype: type) -> torch.Tensor:
+        return torch.from_numpy(np.require(a, dtype, ["C", "W"]))
+
     out: torch.Tensor = torch.ops.wafer.sample_rows(
         logits,
-        torch.from_numpy(np.array(rows, dtype=np.int64)),
-        torch.from_numpy(np.array(temperature, dtype=np.float32)),
-        torch.from_numpy(np.array(top_k, dtype=np.int64)),
-        torch.from_numpy(np.array(top_p, dtype=np.float32)),
-        torch.from_numpy(np.array(min_p, dtype=np.float32)),
-        torch.from_numpy(np.array(u, dtype=np.float64)),
+        tensor(rows, np.int64),
+        tensor(temperature, np.float32),
+        tensor(top_k, np.int64),
+        tensor(top_p, np.float32),
+        tensor(min_p, np.float32),
+        tensor(u, np.float64),
     )
     return out

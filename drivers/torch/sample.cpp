@@ -196,12 +196,11 @@ int64_t sample_row(const float* x, int64_t n, const Params& p, const Variant& v,
   const double top = kept[0].value;
   if (std::isinf(top)) return kept[0].token;
   // Softmax over the kept values, each probability rounded to float32 as the torch path holds it.
+  double exps[kPrefilter];
   float probs[kPrefilter];
   double total = 0.0;
-  for (int64_t i = 0; i < k; ++i) total += std::exp(static_cast<double>(kept[i].value) - top);
-  for (int64_t i = 0; i < k; ++i) {
-    probs[i] = static_cast<float>(std::exp(static_cast<double>(kept[i].value) - top) / total);
-  }
+  for (int64_t i = 0; i < k; ++i) total += exps[i] = std::exp(static_cast<double>(kept[i].value) - top);
+  for (int64_t i = 0; i < k; ++i) probs[i] = static_cast<float>(exps[i] / total);
   // The filters, as `_random_tokens` applies them: top-k by rank, top-p on the mass of the strictly
   // more likely tokens (the first always kept), min-p against the most likely. Cumulative sums
   // accumulate in double and are rounded per entry, as torch's `cumsum` of float32 does.

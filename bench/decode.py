@@ -8,12 +8,15 @@ Prints the CPU it ran on and which variant each C++ kernel runs.
     python bench/decode.py [--threads N] [--dtype float32,float32+w8a8+compile] [--batches 1,8,32]
                            [--peer llamacpp] [--json PATH]
 
-Each --dtype entry is DTYPE[+WEIGHTS][+compile][+torchmm][+torchf32][+torchattn][+unpacked][+kv16][+graphs][+ISA]:
+Each --dtype entry is
+DTYPE[+WEIGHTS][+compile][+torchmm][+torchf32][+torchattn][+unpacked][+unfused][+kv16][+graphs][+ISA]:
 the activation dtype, the weight kind (int8, w8a8; dense when absent), whether the driver runs its
 compiled path, (torchmm) whether w8a8 keeps the torch matmul path instead of the C++ kernel,
 (torchf32) whether dense float32 decode keeps torch's matmuls instead of the C++ kernel,
 (torchattn) whether float32 decode keeps the torch attention path instead of the C++ kernel,
 (unpacked) whether int8 weights stay one tensor each instead of one buffer on huge pages,
+(unfused) whether w8a8 decode runs the model's own path (eager or compiled) instead of the fused
+C++ decode step,
 (kv16) a float16 KV cache, (graphs) decode passes replayed from CUDA graphs (CUDA only), and
 (ISA: avx2, avx2_vnni, portable, ...) the C++ kernels capped at that instruction-set level (the
 AVX2 variants measured on an AVX-512 machine). transformers runs once per activation dtype and
@@ -172,7 +175,7 @@ def best_of(repeats: int, run: Callable[[], tuple[float, float]]) -> tuple[float
     return max(r[0] for r in results), max(r[1] for r in results)
 
 
-_FLAGS = ("compile", "torchmm", "torchf32", "torchattn", "unpacked", "kv16", "graphs", *cpu_kernels.ISAS)
+_FLAGS = ("compile", "torchmm", "torchf32", "torchattn", "unpacked", "unfused", "kv16", "graphs", *cpu_kernels.ISAS)
 
 
 def isa_of(spec: str) -> str:
@@ -199,6 +202,7 @@ def make_driver(ckpt: Checkpoint, spec: str, device: str, num_pages: int) -> Tor
         attention_kernel="torchattn" not in flags,
         kv_dtype="float16" if "kv16" in flags else "",
         pack_weights="unpacked" not in flags,
+        fused_decode="unfused" not in flags,
         cuda_graphs="graphs" in flags,
     )
     drv = TorchDriver(ckpt, options)

@@ -48,10 +48,13 @@ SOURCES = tuple(
         "decode_attention.cpp",
         "argmax.cpp",
         "sample.cpp",
+        "decode_step.cpp",
         "pass_plan.cpp",
     )
 )
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_features.h", "w8a8_avx2.inc"))
+HEADERS = tuple(
+    Path(__file__).with_name(n) for n in ("cpu_features.h", "w8a8_avx2.inc", "step_parts.h", "vec_math.h")
+)
 ISAS = ("portable", "avx2", "avx2_vnni", "avx512", "avx512_vnni")  # cpu_features.h's levels, lowest first
 KERNELS = ("w8a8", "decode_attention", "argmax", "sample", "f32_linear")
 # -fopenmp: ATen's `parallel_for` is OpenMP in headers; without it the kernels run on one thread.

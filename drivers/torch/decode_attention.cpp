@@ -28,6 +28,8 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "step_parts.h"
+#include "vec_math.h"
 
 #if WAFER_X86
 #include <immintrin.h>
@@ -99,26 +101,6 @@ void attend_scalar(const Task<T>& t) {
 }
 
 #if WAFER_X86
-
-// exp(x) for x <= 0 (scores minus their maximum): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its
-// Taylor polynomial to degree 7 (error < 6e-9 relative), times 2^n with scalef. Below -87 the
-// result underflows to 0 as expf's does (to within a denormal).
-__attribute__((target("avx512f,avx512dq"))) inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // Sixteen vectors -> one whose lane j is the sum of the lanes of v[j]: a tree of in-lane and
 // cross-lane shuffles, 15 adds for 16 dot products instead of a full reduction each.
@@ -211,7 +193,7 @@ __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl"))) void attend_avx512
     __m512 vsum = _mm512_setzero_ps();
     for (j = 0; j < n; j += 16) {
       const __mmask16 m = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vtop));
+      const __m512 e = wafer::exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vtop));
       _mm512_mask_storeu_ps(s + j, m, e);
       vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
     }
@@ -257,28 +239,6 @@ __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl"))) void attend_avx512
 
 
 // ------------------------------------------------------------------------------------ AVX2
-
-// exp_nonpositive with AVX2: 2^n is built in the exponent bits, so x is clamped at -87 (n >= -126,
-// a normal float) and lanes below -87 are set to 0, as expf's result there is below 2e-38.
-__attribute__((target("avx2,fma"))) inline __m256 exp_nonpositive_avx2(__m256 x) {
-  const __m256 floor = _mm256_set1_ps(-87.0f);
-  const __m256 under = _mm256_cmp_ps(x, floor, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, floor);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 5040);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(pow2)));
-}
 
 // Eight vectors -> one whose lane j is the sum of the lanes of v[j] (in order).
 __attribute__((target("avx2,fma"))) inline __m256 reduce8(const __m256* v) {
@@ -358,13 +318,13 @@ __attribute__((target("avx2,fma,f16c"))) void attend_avx2(const Task<T>& t) {
     const __m256 vtop = _mm256_set1_ps(top);
     __m256 vsum = _mm256_setzero_ps();
     for (j = 0; j + 8 <= n; j += 8) {
-      const __m256 e = exp_nonpositive_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + j), vtop));
+      const __m256 e = wafer::exp_nonpositive_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + j), vtop));
       _mm256_storeu_ps(s + j, e);
       vsum = _mm256_add_ps(vsum, e);
     }
     float sum = hsum8(vsum);
     if (j < n) {
-      const __m256 e = exp_nonpositive_avx2(_mm256_sub_ps(load8(s + j, n - j), vtop));
+      const __m256 e = wafer::exp_nonpositive_avx2(_mm256_sub_ps(load8(s + j, n - j), vtop));
       alignas(32) float tail[8];
       _mm256_store_ps(tail, e);
       for (int64_t r = j; r < n; ++r) sum += (s[r] = tail[r - j]);
@@ -489,92 +449,19 @@ void merge_pieces(const float* part, const float* stats, int64_t pieces, int64_t
   }
 }
 
-// All (request, KV head) tasks over a cache of element type T: each request's valid keys (each
-// checked to lie in the cache's `slots`), then every (request, KV head, piece) over the threads,
-// shared by weight (kTaskCost), each split (request, KV head) merged by the thread that finishes
-// its last piece (no second parallel region).
+// All (request, KV head) tasks over a cache of element type T (see `step::schedule_attention`),
+// the workers' shares run over the threads.
 template <typename T>
 void run_tasks(const float* qp, const T* kp, const T* vp, float* op, const int64_t* idx, const bool* mk,
                const bool* em, int64_t b, int64_t h, int64_t hkv, int64_t d, int64_t n, int64_t slots, float scale,
                bool portable) {
-  const int64_t groups = h / hkv;
-  const Kernel<T> kernel = kernel_for<T>(portable ? wafer::kPortable : wafer::pick(kLevels), d);
-  std::vector<int64_t> rows(static_cast<size_t>(b * n));
-  std::vector<int64_t> count(static_cast<size_t>(b), 0);
-  for (int64_t r = 0; r < b; ++r) {
-    if (em[r]) continue;
-    for (int64_t j = 0; j < n; ++j) {
-      if (!mk[r * n + j]) continue;
-      // Every key a request reads is checked before any is read: a bad slot is an error, not a fault.
-      TORCH_CHECK(idx[r * n + j] >= 0 && idx[r * n + j] < slots, "key_index: slot ", idx[r * n + j], " of request ",
-                  r, " outside the cache's ", slots, " slots");
-      rows[r * n + count[r]++] = idx[r * n + j] * hkv * d;
-    }
-  }
-  // The tasks in (request, KV head, piece) order; `first[r * hkv + g]`: the first of a (r, g);
-  // `ends[t]`: the running weight at task t's end (the threads share the tasks by it, below).
-  std::vector<int64_t> first(static_cast<size_t>(b * hkv + 1), 0);
-  std::vector<int64_t> ends;
-  int64_t total = 0;
-  for (int64_t rg = 0; rg < b * hkv; ++rg) {
-    const int64_t c = count[rg / hkv], pk = piece_keys(c);
-    for (int64_t j0 = 0; j0 < c; j0 += pk) ends.push_back(total += std::min(pk, c - j0) + kTaskCost);
-    first[rg + 1] = static_cast<int64_t>(ends.size());
-  }
-  const int64_t tasks = first[b * hkv];
-  if (tasks == 0) return;
-  // Each thread runs consecutive tasks: task t goes to the thread whose share of the total weight
-  // holds the middle of t's weight (`bounds[w]`: thread w's first task).
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks);
-  std::vector<int64_t> bounds(static_cast<size_t>(workers + 1), tasks);
-  for (int64_t w = 0, t = 0; w < workers; ++w) {
-    while (t < tasks && ((t ? ends[t - 1] : 0) + ends[t]) * workers < 2 * w * total) ++t;
-    bounds[w] = t;
-  }
-  // The pieces of split (r, g)s leave their outputs and stats here, at their task's place.
-  const bool split = std::any_of(count.begin(), count.end(), [](int64_t c) { return c > piece_keys(c); });
-  std::vector<float> part(split ? static_cast<size_t>(tasks * groups * d) : 0);
-  std::vector<float> stats(split ? static_cast<size_t>(tasks * groups * 2) : 0);
-  // Pieces of a split (r, g) still running; the thread that finishes its last merges it.
-  std::unique_ptr<std::atomic<int64_t>[]> left(split ? new std::atomic<int64_t>[b * hkv] : nullptr);
-  for (int64_t rg = 0; split && rg < b * hkv; ++rg) left[rg].store(first[rg + 1] - first[rg], std::memory_order_relaxed);
-  // Task `task` of (r, g) = rg: its first key (of the request's valid keys) and how many it reads.
-  auto piece = [&](int64_t rg, int64_t task) {
-    const int64_t c = count[rg / hkv], pk = piece_keys(c), j0 = (task - first[rg]) * pk;
-    return std::pair<int64_t, int64_t>(j0, std::min(pk, c - j0));
-  };
-  at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
-    const int64_t t0 = bounds[w0], t1 = bounds[w1];
-    if (t0 == t1) return;
-    std::vector<float> scores(static_cast<size_t>(groups * std::min(n, kLongPiece)));
-    int64_t rg = std::upper_bound(first.begin(), first.end(), t0) - first.begin() - 1;
-    // The thread asks for all its tasks' key rows, then all their value rows, before it runs any.
-    // In a decode step the weights streamed since this layer's last step have evicted them, and
-    // the kernels read one block of keys at a time: without this each block waited on memory.
-    // (Keys first, then values: asked for task by task, keys and values in turn, it gained nothing.)
-    for (int64_t kv = 0; kv < 2; ++kv) {
-      for (int64_t task = t0, pg = rg; task < t1; ++task) {
-        while (first[pg + 1] <= task) ++pg;
-        const auto [j0, len] = piece(pg, task);
-        prefetch_rows((kv ? vp : kp) + (pg % hkv) * d, rows.data() + (pg / hkv) * n + j0, len,
-                      d * static_cast<int64_t>(sizeof(T)));
-      }
-    }
-    for (int64_t task = t0; task < t1; ++task) {
-      while (first[rg + 1] <= task) ++rg;
-      const int64_t r = rg / hkv, g = rg % hkv, pieces = first[rg + 1] - first[rg];
-      const auto [j0, len] = piece(rg, task);
-      const float* q = qp + (r * h + g * groups) * d;
-      float* out = pieces == 1 ? op + (r * h + g * groups) * d : part.data() + task * groups * d;
-      float* st = pieces == 1 ? nullptr : stats.data() + task * groups * 2;
-      kernel(Task<T>{q, rows.data() + r * n + j0, len, kp + g * d, vp + g * d, groups, d, scale, scores.data(), out,
-                     st});
-      // acq_rel: the merging thread sees every piece's writes, whichever thread made them.
-      if (pieces > 1 && left[rg].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-        merge_pieces(part.data() + first[rg] * groups * d, stats.data() + first[rg] * groups * 2, pieces, groups, d,
-                     op + (r * h + g * groups) * d);
-      }
-    }
+  wafer::step::AttentionSchedule s;
+  wafer::step::schedule_attention(s, idx, mk, em, b, h, hkv, d, n, slots, at::get_num_threads());
+  if (s.tasks == 0) return;
+  s.arm();
+  const wafer::Isa isa = portable ? wafer::kPortable : wafer::pick(kLevels);
+  at::parallel_for(0, s.workers, 1, [&](int64_t w0, int64_t w1) {
+    for (int64_t w = w0; w < w1; ++w) wafer::step::attend_share(s, w, qp, kp, vp, op, scale, isa);
   });
 }
 
@@ -632,6 +519,110 @@ at::Tensor decode_attention_portable(const at::Tensor& q, const at::Tensor& k_ca
 std::string decode_attention_variant() { return wafer::kIsaNames[wafer::pick(kLevels)]; }
 
 }  // namespace
+
+namespace wafer::step {
+
+void AttentionSchedule::arm() {
+  for (int64_t rg = 0; split && rg < b * hkv; ++rg) left[rg].store(first[rg + 1] - first[rg], std::memory_order_relaxed);
+}
+
+// Each request's valid keys (each checked to lie in the cache's `slots`), then its (request, KV
+// head, piece) tasks, and the workers' shares of them by weight (kTaskCost).
+void schedule_attention(AttentionSchedule& s, const int64_t* idx, const bool* mk, const bool* em, int64_t b,
+                        int64_t h, int64_t hkv, int64_t d, int64_t n, int64_t slots, int64_t max_workers) {
+  s.b = b, s.h = h, s.hkv = hkv, s.d = d, s.n = n, s.groups = h / hkv;
+  s.rows.assign(static_cast<size_t>(b * n), 0);
+  s.count.assign(static_cast<size_t>(b), 0);
+  for (int64_t r = 0; r < b; ++r) {
+    if (em[r]) continue;
+    for (int64_t j = 0; j < n; ++j) {
+      if (!mk[r * n + j]) continue;
+      // Every key a request reads is checked before any is read: a bad slot is an error, not a fault.
+      TORCH_CHECK(idx[r * n + j] >= 0 && idx[r * n + j] < slots, "key_index: slot ", idx[r * n + j], " of request ",
+                  r, " outside the cache's ", slots, " slots");
+      s.rows[r * n + s.count[r]++] = idx[r * n + j] * hkv * d;
+    }
+  }
+  // The tasks in (request, KV head, piece) order; `first[r * hkv + g]`: the first of a (r, g);
+  // `ends[t]`: the running weight at task t's end (the workers share the tasks by it, below).
+  s.first.assign(static_cast<size_t>(b * hkv + 1), 0);
+  s.ends.clear();
+  int64_t total = 0;
+  for (int64_t rg = 0; rg < b * hkv; ++rg) {
+    const int64_t c = s.count[rg / hkv], pk = piece_keys(c);
+    for (int64_t j0 = 0; j0 < c; j0 += pk) s.ends.push_back(total += std::min(pk, c - j0) + kTaskCost);
+    s.first[rg + 1] = static_cast<int64_t>(s.ends.size());
+  }
+  const int64_t tasks = s.tasks = s.first[b * hkv];
+  // Each worker runs consecutive tasks: task t goes to the worker whose share of the total weight
+  // holds the middle of t's weight (`bounds[w]`: worker w's first task).
+  const int64_t workers = s.workers = std::min<int64_t>(std::max<int64_t>(max_workers, 1), tasks);
+  s.bounds.assign(static_cast<size_t>(workers + 1), tasks);
+  for (int64_t w = 0, t = 0; w < workers; ++w) {
+    while (t < tasks && ((t ? s.ends[t - 1] : 0) + s.ends[t]) * workers < 2 * w * total) ++t;
+    s.bounds[w] = t;
+  }
+  // The pieces of split (r, g)s leave their outputs and stats here, at their task's place.
+  s.split = std::any_of(s.count.begin(), s.count.end(), [](int64_t c) { return c > piece_keys(c); });
+  s.part.assign(s.split ? static_cast<size_t>(tasks * s.groups * d) : 0, 0.0f);
+  s.stats.assign(s.split ? static_cast<size_t>(tasks * s.groups * 2) : 0, 0.0f);
+  s.left.reset(s.split ? new std::atomic<int64_t>[b * hkv] : nullptr);
+}
+
+template <typename T>
+void attend_share(AttentionSchedule& s, int64_t w, const float* qp, const T* kp, const T* vp, float* op, float scale,
+                  Isa isa) {
+  const int64_t t0 = s.bounds[w], t1 = s.bounds[w + 1];
+  if (t0 == t1) return;
+  const int64_t hkv = s.hkv, d = s.d, n = s.n, h = s.h, groups = s.groups;
+  const Kernel<T> kernel = kernel_for<T>(isa, d);
+  const std::vector<int64_t>& first = s.first;
+  // Task `task` of (r, g) = rg: its first key (of the request's valid keys) and how many it reads.
+  auto piece = [&](int64_t rg, int64_t task) {
+    const int64_t c = s.count[rg / hkv], pk = piece_keys(c), j0 = (task - first[rg]) * pk;
+    return std::pair<int64_t, int64_t>(j0, std::min(pk, c - j0));
+  };
+  std::vector<float> scores(static_cast<size_t>(groups * std::min(n, kLongPiece)));
+  int64_t rg = std::upper_bound(first.begin(), first.end(), t0) - first.begin() - 1;
+  // The worker asks for all its tasks' key rows, then all their value rows, before it runs any.
+  // In a decode step the weights streamed since this layer's last step have evicted them, and
+  // the kernels read one block of keys at a time: without this each block waited on memory.
+  // (Keys first, then values: asked for task by task, keys and values in turn, it gained nothing.)
+  for (int64_t kv = 0; kv < 2; ++kv) {
+    for (int64_t task = t0, pg = rg; task < t1; ++task) {
+      while (first[pg + 1] <= task) ++pg;
+      const auto [j0, len] = piece(pg, task);
+      prefetch_rows((kv ? vp : kp) + (pg % hkv) * d, s.rows.data() + (pg / hkv) * n + j0, len,
+                    d * static_cast<int64_t>(sizeof(T)));
+    }
+  }
+  for (int64_t task = t0; task < t1; ++task) {
+    while (first[rg + 1] <= task) ++rg;
+    const int64_t r = rg / hkv, g = rg % hkv, pieces = first[rg + 1] - first[rg];
+    const auto [j0, len] = piece(rg, task);
+    const float* q = qp + (r * h + g * groups) * d;
+    float* out = pieces == 1 ? op + (r * h + g * groups) * d : s.part.data() + task * groups * d;
+    float* st = pieces == 1 ? nullptr : s.stats.data() + task * groups * 2;
+    kernel(Task<T>{q, s.rows.data() + r * n + j0, len, kp + g * d, vp + g * d, groups, d, scale, scores.data(), out,
+                   st});
+    // acq_rel: the merging worker sees every piece's writes, whichever thread made them.
+    if (pieces > 1 && s.left[rg].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      merge_pieces(s.part.data() + first[rg] * groups * d, s.stats.data() + first[rg] * groups * 2, pieces, groups, d,
+                   op + (r * h + g * groups) * d);
+    }
+  }
+}
+
+template void attend_share<float>(AttentionSchedule&, int64_t, const float*, const float*, const float*, float*,
+                                  float, Isa);
+template void attend_share<at::Half>(AttentionSchedule&, int64_t, const float*, const at::Half*, const at::Half*,
+                                     float*, float, Isa);
+template void attend_share<at::BFloat16>(AttentionSchedule&, int64_t, const float*, const at::BFloat16*,
+                                         const at::BFloat16*, float*, float, Isa);
+
+Isa attention_isa() { return wafer::pick(kLevels); }
+
+}  // namespace wafer::step
 
 TORCH_LIBRARY_FRAGMENT(wafer, lib) {
   lib.def("decode_attention_variant() -> str", &decode_attention_variant);

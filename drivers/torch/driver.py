@@ -23,6 +23,7 @@ from drivers.torch.checkpoint import Checkpoint
 from drivers.torch.compiled import CompiledModel
 from drivers.torch.cpu_layout import transpose_linears
 from drivers.torch.cuda_graphs import DecodeGraphs
+from drivers.torch.fused_decode import FusedDecode, unsupported
 from drivers.torch.fusion import fuse_projections
 from drivers.torch.kv_cache import PagedKVCache
 from drivers.torch.lora import LoraBatch, LoraWeights, load_peft
@@ -76,6 +77,9 @@ class DriverOptions:
     # int8 weights on the CPU: one buffer in step order on huge pages (`weight_arena.py`); False
     # keeps one tensor per weight (same results; for side-by-side measurements).
     pack_weights: bool = True
+    # w8a8 on the CPU: decode passes as one C++ call (`fused_decode.py`) where the model allows it;
+    # False keeps the model's own path, eager or compiled (for side-by-side measurements).
+    fused_decode: bool = True
     # Compile each layer with torch.compile (CPU only; see `compiled.py`); compiles at the handshake.
     compile: bool = False
     # CUDA: replay decode passes from CUDA graphs (`cuda_graphs.py`). Off until `make gpu-check` has
@@ -146,6 +150,7 @@ class TorchDriver:
         self.cache: PagedKVCache | None = None
         self.limits: CacheLimits | None = None
         self.graphs: DecodeGraphs | None = None
+        self.fused: FusedDecode | None = None
         self.adapters: dict[int, LoraWeights] = {}
         self.generator = torch.Generator().manual_seed(options.seed)
         self.stats: dict[str, int | float | str] = {"forwards": 0, "tokens": 0, "outputs": 0, "forward_s": 0.0}
@@ -169,7 +174,7 @@ class TorchDriver:
         if self.cache is None or (self.cache.page_size, self.cache.num_pages) != (page_size, num_pages):
             if self.cache is not None and self.compiled is not None:
                 self.compiled = CompiledModel(self.model)  # the old one's graphs hold the old pages (frozen)
-            self.cache = None  # free the old pages before allocating the new ones
+            self.cache = self.fused = None  # free the old pages before allocating the new ones
             self.cache = PagedKVCache(
                 cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device
             )
@@ -178,6 +183,8 @@ class TorchDriver:
             fresh = False
         max_context = min(cfg.max_position, num_pages * page_size)
         self.limits = CacheLimits(page_size, num_pages, cfg.vocab_size, max_context, o.max_probe_k)
+        if fresh:
+            self.fused = self._fused_decode(self.cache)
         if fresh and self.device.type == "cuda" and o.cuda_graphs:
             self.graphs = DecodeGraphs(cfg, self.model, self.cache, max_context, o.max_requests_per_pass)
         if fresh and self.compiled is not None and warm_up:
@@ -211,6 +218,20 @@ class TorchDriver:
             control_token_ids=np.array(self.ckpt.control_token_ids, dtype=np.uint32),
             driver_info=self.info(),
         )
+
+    def _fused_decode(self, cache: PagedKVCache) -> FusedDecode | None:
+        """The fused decode step over `cache`, where the options ask for it (w8a8 on the CPU) and the
+        model allows it (logged where it does not)."""
+        o = self.options
+        if not (o.fused_decode and o.weights == "w8a8" and self.device.type == "cpu"):
+            return None
+        reason = unsupported(self.model, cache)
+        if reason:
+            log.info("decode passes run the model's own path (the fused decode step does not take %s)", reason)
+            return None
+        fused = FusedDecode(self.model, cache)
+        log.info("decode passes run the fused decode step (%s)", fused.variant())
+        return fused
 
     def faster_configuration(self) -> str:
         """What to pass for faster decode on this CPU, or "" when this already is the fast path
@@ -246,6 +267,8 @@ class TorchDriver:
             "dtype": o.dtype,
             "weights": o.weights,
             "compile": int(o.compile),
+            # Decode passes: the fused C++ step (with its kernels' variants), or the model's own path.
+            "decode_step": f"fused ({self.fused.variant()})" if self.fused is not None else "model",
         }
         if self.device.type == "cpu":
             info["cpu_kernels"] = cpu_kernels.describe()
@@ -286,6 +309,9 @@ class TorchDriver:
             logits = self.graphs.run(plan, rows)
             if logits is not None:
                 return logits
+        if self.fused is not None and lora is None and self.fused.takes(plan):
+            attend = PagedAttention(self.cfg, self.cache, plan, self.use_triton)
+            return self.fused(plan, attend, rows)
         if self.compiled is not None and lora is None:
             attend = PagedAttention(
                 self.cfg, self.cache, plan, self.use_triton, for_compiled=True, kernel=self.attention_kernel

@@ -194,8 +194,13 @@ py::tuple family_arrays(const I64& kv_len, const I64& num_q, const I32& page_tab
 
 }  // namespace
 
+namespace wafer {
+void register_decode_step(py::module_& m);  // decode_step.cpp
+}  // namespace wafer
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "wafer's pass planning in C++ (batch_plan.py)";
   m.def("plan_arrays", &plan_arrays);
   m.def("family_arrays", &family_arrays);
+  wafer::register_decode_step(m);
 }

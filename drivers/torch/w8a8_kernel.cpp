@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "step_parts.h"
 
 #if WAFER_X86
 #include <immintrin.h>
@@ -204,6 +205,33 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void row_part(const uint8
                                                                       int32_t* raw) {
   panel_rows<1, 4>(xu + 4 * g0, kp, nullptr, panel + g0 * kQuadBytes, g1 - g0, nullptr, nullptr, 0, nullptr, 0, true,
                    nullptr, 0, 0, raw);
+}
+
+// Any MR of 1-6 rows and NB of 1-4 column vectors (`columns`).
+PanelFn block_for(int64_t rows, int64_t vectors) {
+#define WAFER_ROW(MR) {panel_rows<MR, 1>, panel_rows<MR, 2>, panel_rows<MR, 3>, panel_rows<MR, 4>}
+  static const PanelFn table[kMaxBlockRows][4] = {WAFER_ROW(1), WAFER_ROW(2), WAFER_ROW(3),
+                                                  WAFER_ROW(4), WAFER_ROW(5), WAFER_ROW(6)};
+#undef WAFER_ROW
+  return table[rows - 1][vectors - 1];
+}
+
+// Output columns [c0, c1) of m rows (`step::linear_columns`): each panel's part in that range,
+// its rows in balanced blocks of at most kMaxBlockRows (the part held in cache after the first).
+void columns(const uint8_t* xu, int64_t kp, const float* sx, int64_t m, const int8_t* w, int64_t kq,
+             const int32_t* w_sum, const float* ws, int64_t n, int64_t c0, int64_t c1, float* y, int64_t ldy) {
+  const int64_t blocks = (m + kMaxBlockRows - 1) / kMaxBlockRows;
+  for (int64_t p = c0 / kPanelCols; p * kPanelCols < c1; ++p) {
+    const int64_t base = p * kPanelCols, lo = std::max(c0, base), hi = std::min({c1, base + kPanelCols, n});
+    const int64_t vectors = (hi - lo + 15) / 16;
+    const int8_t* part = w + p * kq * kQuadBytes + 4 * (lo - base);
+    for (int64_t i = 0, b = 0; i < m; ++b) {
+      const int64_t rows = (m - i + blocks - b - 1) / (blocks - b);
+      block_for(rows, vectors)(xu + i * kp, kp, sx + i, part, kq, w_sum + lo, ws + lo, hi - lo, y + i * ldy + lo, ldy,
+                               i == 0 && vectors == 4, nullptr, 0, 0, nullptr);
+      i += rows;
+    }
+  }
 }
 
 }  // namespace avx512
@@ -474,6 +502,69 @@ at::Tensor w8a8_linear_packed(const at::Tensor& x, const at::Tensor& packed, int
 std::string w8a8_variant() { return wafer::kIsaNames[wafer::pick(kLevels)]; }
 
 }  // namespace
+
+namespace wafer::step {
+
+Linear packed_linear(const at::Tensor& packed, int64_t n, int64_t k) {
+  TORCH_CHECK(n > 0 && k > 0, "a linear needs outputs and inputs, got ", n, " x ", k);
+  const int64_t kq = (k + 3) / 4, panels = (n + kPanelCols - 1) / kPanelCols;
+  const int64_t weight_bytes = panels * kq * kQuadBytes;
+  TORCH_CHECK(packed.dim() == 1 && packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.is_cpu(),
+              "packed weights must be a contiguous 1-D int8 CPU tensor");
+  TORCH_CHECK(packed.numel() == weight_bytes + 8 * n, "packed weights hold ", packed.numel(), " bytes; ", n,
+              " outputs of ", k, " inputs need ", weight_bytes + 8 * n, " (panels, then scales and sums)");
+  const int8_t* base = packed.data_ptr<int8_t>();
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(base) % 4 == 0, "packed weights must start on a 4-byte boundary");
+  return {base, reinterpret_cast<const float*>(base + weight_bytes),
+          reinterpret_cast<const int32_t*>(base + weight_bytes + 4 * n), n, k};
+}
+
+Isa w8a8_isa() { return wafer::pick(kLevels); }
+
+void quantize_rows(Isa isa, const float* x, int64_t ldx, int64_t m, int64_t k, int8_t* xq, int64_t kp, float* sx) {
+  auto quantize = quantize_row_portable;
+#if WAFER_X86
+  if (isa == kAvx512Vnni) quantize = avx512::quantize_row;
+  if (isa == kAvx2Vnni || isa == kAvx2) quantize = quantize_row_avx2;
+#endif
+  for (int64_t i = 0; i < m; ++i) {
+    std::fill(xq + i * kp + k, xq + (i + 1) * kp, static_cast<int8_t>(0));
+    sx[i] = quantize(x + i * ldx, k, xq + i * kp);
+  }
+  // The VNNI instructions multiply unsigned by signed bytes: their activations go in as q + 128.
+  if (isa == kAvx512Vnni || isa == kAvx2Vnni) {
+    for (int64_t i = 0; i < m * kp; ++i) xq[i] = static_cast<int8_t>(static_cast<uint8_t>(xq[i]) ^ 0x80);
+  }
+}
+
+void linear_columns(Isa isa, const int8_t* xq, int64_t kp, const float* sx, int64_t m, const Linear& w, int64_t c0,
+                    int64_t c1, float* y, int64_t ldy) {
+  const int64_t kq = kp / 4;
+#if WAFER_X86
+  const auto* xu = reinterpret_cast<const uint8_t*>(xq);
+  switch (isa) {
+    case kAvx512Vnni:
+      return avx512::columns(xu, kp, sx, m, w.panels, kq, w.sum, w.scale, w.n, c0, c1, y, ldy);
+    case kAvx2Vnni:
+      return avx2_vnni::columns(xu, kp, sx, m, w.panels, kq, w.sum, w.scale, w.n, c0, c1, y, ldy);
+    case kAvx2:
+      return avx2::columns(xu, kp, sx, m, w.panels, kq, w.sum, w.scale, w.n, c0, c1, y, ldy);
+    default:
+      break;
+  }
+#endif
+  // Portable: each panel's 64 sums a row (`row_part_portable`), the range's columns kept.
+  int32_t acc[kPanelCols];
+  for (int64_t p = c0 / kPanelCols; p * kPanelCols < c1; ++p) {
+    const int64_t base = p * kPanelCols, lo = std::max(c0, base), hi = std::min({c1, base + kPanelCols, w.n});
+    for (int64_t i = 0; i < m; ++i) {
+      row_part_portable(xq + i * kp, w.panels + p * kq * kQuadBytes, 0, kq, acc);
+      for (int64_t c = lo; c < hi; ++c) y[i * ldy + c] = static_cast<float>(acc[c - base]) * (sx[i] * w.scale[c]);
+    }
+  }
+}
+
+}  // namespace wafer::step
 
 TORCH_LIBRARY_FRAGMENT(wafer, lib) {
   lib.def("w8a8_linear(Tensor x, Tensor w, Tensor w_scale, Tensor w_sum, int sgemm_from_rows=0) -> Tensor");

@@ -4,20 +4,35 @@ checkpoints written to safetensors, and transformers twins of our models."""
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import save_file
+from torch.utils import cpp_extension
 
 from bridge_schema.batch import OutputSpec, RequestSpec, Sampler, build_forward
 from bridge_schema.messages import Forward, Hello
+from drivers.torch import cpu_kernels
 from drivers.torch.checkpoint import Checkpoint, load_checkpoint
 from drivers.torch.config import ModelConfig
 from drivers.torch.driver import DriverOptions, TorchDriver
 
 GREEDY = Sampler()
+
+cpu_kernels.ninja_on_path()  # as the build does: the `ninja` package's binary where PATH has none
+CAN_BUILD = cpp_extension.is_ninja_available() and shutil.which("c++") is not None
+needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="no C++ toolchain (ninja and c++) to build the kernel")
+# What each instruction-set level needs beyond the one below it, for the skip reason (`isa`, conftest.py).
+FEATURES = {
+    "avx2": "AVX2, FMA and F16C",
+    "avx2_vnni": "AVX-VNNI",
+    "avx512": "AVX-512 F/DQ/BW/VL",
+    "avx512_vnni": "AVX512-VNNI",
+}
 
 
 def make_driver(ckpt: Checkpoint, page_size: int = 16, num_pages: int = 64) -> TorchDriver:

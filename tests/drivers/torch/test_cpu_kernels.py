@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -45,37 +44,12 @@ from tests.drivers.torch.helpers import (
     forward,
     load_dir,
     make_driver,
+    needs_kernel,
     random_tokens,
     request,
     write_tiny_gemma,
     write_tiny_llama,
 )
-
-cpu_kernels.ninja_on_path()  # as the build does: the `ninja` package's binary where PATH has none
-CAN_BUILD = cpp_extension.is_ninja_available() and shutil.which("c++") is not None
-needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="no C++ toolchain (ninja and c++) to build the kernel")
-# What each level needs beyond the one below it, for the skip reason.
-FEATURES = {
-    "avx2": "AVX2, FMA and F16C",
-    "avx2_vnni": "AVX-VNNI",
-    "avx512": "AVX-512 F/DQ/BW/VL",
-    "avx512_vnni": "AVX512-VNNI",
-}
-
-
-@pytest.fixture(scope="module")
-def kernel() -> None:
-    assert cpu_kernels.load(show_progress=False), "the kernel did not build (see the logged reason)"
-
-
-@pytest.fixture(params=cpu_kernels.ISAS)
-def isa(request: pytest.FixtureRequest, kernel: None) -> Iterator[dict[str, str]]:
-    """Each instruction-set level in turn, the kernels capped there; yields their variants."""
-    name = request.param
-    if name not in cpu_kernels.cpu_isas():
-        pytest.skip(f"this CPU lacks {FEATURES[name]}: the {name} variants cannot run here")
-    with cpu_kernels.limit_isa(name) as chosen:
-        yield chosen
 
 
 def _linear(n: int, k: int, seed: int, rows: int = 9) -> tuple[torch.Tensor, DynamicInt8Linear]:
@@ -376,8 +350,11 @@ def test_the_build_compiles_copies_of_the_sources_in_its_own_folder(kernel: None
     each checkout's own paths, ninja saw a new command at every other start and rebuilt (~1 min).
     The build compiles copies in its folder instead, the same paths from every checkout."""
     directory = cpu_kernels.build_directory(f"wafer_cpu_{cpu_kernels.source_digest()}")
-    compiled = [line.split()[-1] for line in (directory / "build.ninja").read_text().splitlines()
-                if line.startswith("build ") and ": compile " in line]
+    compiled = [
+        line.split()[-1]
+        for line in (directory / "build.ninja").read_text().splitlines()
+        if line.startswith("build ") and ": compile " in line
+    ]
     assert sorted(Path(c).name for c in compiled) == sorted(s.name for s in cpu_kernels.SOURCES)
     assert all(Path(c).parent == directory / "src" for c in compiled), compiled
 
@@ -739,7 +716,8 @@ def _on_an_edge(row: torch.Tensor, temperature: float, top_k: int, top_p: float,
     cdf = np.cumsum(np.where(keep, probs, 0.0))
     eps = 1e-5
     return bool(
-        np.min(np.abs(cdf - u * cdf[-1])) < eps or np.min(np.abs(before - top_p)) < eps
+        np.min(np.abs(cdf - u * cdf[-1])) < eps
+        or np.min(np.abs(before - top_p)) < eps
         or np.min(np.abs(probs - min_p * probs[0])) < eps
     )
 

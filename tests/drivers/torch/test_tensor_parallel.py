@@ -368,7 +368,10 @@ def top_gap(ours: list[ForwardResult], ref: list[ForwardResult], vocab_size: int
 def assert_close_to_w8a8(
     ckpt: Checkpoint, scenario: Callable[[Run], list[ForwardResult]], ours: list[ForwardResult], atol: float
 ) -> None:
-    ref = in_process(ckpt, scenario, DriverOptions(weights="w8a8"))
+    # The model's own path, as on the shards (the fused decode step never runs on a shard): the
+    # fused step's other float32 rounding moved TP 1's distance from float32 on SmolLM2 from
+    # 0.82 to 0.63 (noise of the same size as the gap measured here, not a change of accuracy).
+    ref = in_process(ckpt, scenario, DriverOptions(weights="w8a8", fused_decode=False))
     dense = in_process(ckpt, scenario)
     for other in (ref, dense):
         assert [r.tokens.tolist() for r in ours] == [r.tokens.tolist() for r in other], "greedy tokens differ"

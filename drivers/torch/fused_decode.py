@@ -1,0 +1,105 @@
+"""The fused decode step: a decode pass (one token per request) of a Llama-style model with w8a8
+weights on the CPU as one C++ call, `DecodeStep` of `decode_step.cpp`, from the embeddings to the
+output rows' logits, on the threads of one parallel region. The same kernels as the ops the model
+calls otherwise (eager or compiled), without ~150 op calls a step between which one thread runs the
+small work (norms, RoPE, SiLU, residuals) while the other waits.
+
+It runs where `unsupported()` finds nothing against it (the model and cache the driver has) and
+for passes `takes()` accepts (decode, no LoRA adapter); everything else keeps the model's own path.
+Logits agree with that path to float32 rounding (amplified by w8a8's rounding of activations to
+int8 codes: tests compare greedy tokens and logits within a tolerance), and a row's logits do not
+depend on the other rows of its pass or on the thread count (tested bit for bit)."""
+
+from __future__ import annotations
+
+import torch
+
+from drivers.torch import cpu_kernels
+from drivers.torch.batch_plan import PassPlan
+from drivers.torch.kv_cache import PagedKVCache
+from drivers.torch.model import Transformer, rope_cos_sin
+from drivers.torch.paged_attention import PagedAttention
+from drivers.torch.quantize import DynamicInt8Linear
+
+
+def _packed(lin: object) -> bool:
+    return isinstance(lin, DynamicInt8Linear) and lin.use_kernel and lin.packed is not None and lin.bias is None
+
+
+def unsupported(model: Transformer, cache: PagedKVCache) -> str:
+    """Why the fused step cannot run this model and cache ("" if it can)."""
+    cfg = model.cfg
+    reasons = [
+        (cfg.arch != "llama", f"{cfg.arch} blocks"),
+        (cfg.qk_norm or cfg.final_logit_softcap > 0, "q/k norms or a logit soft cap"),
+        (any(cfg.window(i) for i in range(cfg.num_layers)), "windowed attention layers"),
+        (model.reduce is not None, "a tensor-parallel shard"),
+        (cache.k.device.type != "cpu", "a cache off the CPU"),
+        (model.model.embed_tokens.weight.dtype != torch.float32, "activations other than float32"),
+        (cpu_kernels.pass_planner() is None, "the C++ kernels not built"),
+    ]
+    for bad, why in reasons:
+        if bad:
+            return why
+    for block in model.model.blocks():
+        attn, mlp = block.self_attn, block.mlp
+        if not all(_packed(lin) for lin in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)):
+            return "projections other than fused, packed w8a8 kernel ones"
+    if not _packed(model.output_head):
+        return "an output head other than a packed w8a8 kernel one"
+    return ""
+
+
+class FusedDecode:
+    """`DecodeStep` over `model`'s weights and `cache`'s pages (both kept for its lifetime: a new
+    cache needs a new one). Check `unsupported(model, cache)` first."""
+
+    def __init__(self, model: Transformer, cache: PagedKVCache) -> None:
+        reason = unsupported(model, cache)
+        assert not reason, reason
+        module = cpu_kernels.pass_planner()
+        assert module is not None
+        cfg = model.cfg
+        linears: list[DynamicInt8Linear] = []
+        norms: list[torch.Tensor] = []
+        for block in model.model.blocks():
+            attn, mlp = block.self_attn, block.mlp
+            linears += [attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj]  # type: ignore[list-item]
+            norms += [block.input_layernorm.weight.detach(), block.post_attention_layernorm.weight.detach()]
+        assert isinstance(model.output_head, DynamicInt8Linear)
+        linears.append(model.output_head)
+        norms.append(model.model.norm.weight.detach())
+        self.model = model
+        self.cache = cache
+        self._step = module.DecodeStep(
+            [lin.packed for lin in linears],
+            [lin.out_features for lin in linears],
+            [w.contiguous() for w in norms],
+            cache.k,
+            cache.v,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.rms_eps,
+            cfg.scale,
+        )
+        self.passes = 0  # passes run (for tests and `health`)
+
+    def variant(self) -> str:
+        """The kernels' variants a step runs now, e.g. "w8a8 avx512_vnni, attention avx512"."""
+        return str(self._step.variant())
+
+    @staticmethod
+    def takes(plan: PassPlan) -> bool:
+        """Whether `plan` is a decode pass: one token for each request."""
+        return plan.q_index.shape[1] == 1 and len(plan.tokens) == plan.q_index.shape[0]
+
+    def __call__(self, plan: PassPlan, attention: PagedAttention, rows: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [len(rows), vocab] of a decode pass (`takes(plan)`), its K/V written."""
+        model = self.model
+        x = model.model.embed_tokens(plan.tokens)
+        cos, sin = rope_cos_sin(model.inv_freq, plan.positions, torch.float32)
+        slots, _, key_index, mask, empty, _ = attention.family_keys(0)
+        self.passes += 1
+        logits: torch.Tensor = self._step.step(x, cos[:, 0], sin[:, 0], slots, key_index, mask[:, 0], empty[:, 0], rows)
+        return logits

@@ -138,15 +138,17 @@ std::pair<int64_t, int64_t> share(int64_t n, int t, int threads) {
 
 class DecodeStep {
  public:
-  // `weights`: per layer the packed q/k/v, o, gate/up and down linears, then the output head;
-  // `outs`: each one's output count. `norms`: per layer the input and post-attention norms'
-  // weights, then the final norm's. The caches: [layers, slots, kv_heads, head_dim].
-  DecodeStep(std::vector<at::Tensor> weights, std::vector<int64_t> outs, std::vector<at::Tensor> norms,
-             at::Tensor k_cache, at::Tensor v_cache, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
-             double scale)
-      : weights_(std::move(weights)), norms_(std::move(norms)), k_cache_(std::move(k_cache)),
-        v_cache_(std::move(v_cache)), heads_(heads), kv_heads_(kv_heads), dim_(head_dim),
-        eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)) {
+  // `embed`: the float32 token embeddings [vocab, hidden]; `inv_freq`: RoPE's inverse
+  // frequencies [head_dim / 2]. `weights`: per layer the packed q/k/v, o, gate/up and down
+  // linears, then the output head; `outs`: each one's output count. `norms`: per layer the input
+  // and post-attention norms' weights, then the final norm's. The caches: [layers, slots,
+  // kv_heads, head_dim].
+  DecodeStep(at::Tensor embed, at::Tensor inv_freq, std::vector<at::Tensor> weights, std::vector<int64_t> outs,
+             std::vector<at::Tensor> norms, at::Tensor k_cache, at::Tensor v_cache, int64_t heads, int64_t kv_heads,
+             int64_t head_dim, double eps, double scale)
+      : embed_(std::move(embed)), inv_freq_(std::move(inv_freq)), weights_(std::move(weights)),
+        norms_(std::move(norms)), k_cache_(std::move(k_cache)), v_cache_(std::move(v_cache)), heads_(heads),
+        kv_heads_(kv_heads), dim_(head_dim), eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)) {
     TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0 && head_dim % 2 == 0,
                 "heads must be a positive multiple of kv_heads, head_dim positive and even");
     TORCH_CHECK(weights_.size() % 4 == 1 && weights_.size() >= 5, "weights: 4 per layer, then the head; got ",
@@ -174,6 +176,12 @@ class DecodeStep {
     }
     linears_.push_back(step::packed_linear(weights_.back(), outs.back(), hidden_));
     vocab_ = outs.back();
+    TORCH_CHECK(embed_.dim() == 2 && embed_.size(1) == hidden_ && embed_.scalar_type() == at::kFloat &&
+                    embed_.is_contiguous() && embed_.is_cpu(),
+                "embed: contiguous float32 [vocab, hidden]");
+    TORCH_CHECK(inv_freq_.dim() == 1 && inv_freq_.size(0) == head_dim / 2 && inv_freq_.scalar_type() == at::kFloat &&
+                    inv_freq_.is_contiguous(),
+                "inv_freq: contiguous float32 [head_dim / 2]");
     const auto kv = k_cache_.scalar_type();
     TORCH_CHECK(k_cache_.dim() == 4 && k_cache_.size(0) == layers_ && k_cache_.size(2) == kv_heads &&
                     k_cache_.size(3) == head_dim && k_cache_.is_contiguous() && k_cache_.is_cpu() &&
@@ -183,32 +191,32 @@ class DecodeStep {
                 "v_cache: like k_cache");
   }
 
-  // The logits [rows, vocab] of a decode pass: x [M, hidden] the tokens' embeddings, cos/sin
-  // [M, head_dim] their RoPE, slots [M] where each token's K/V goes, request r's keys
-  // key_index[r] where mask[r] (its own token's slot among them), `empty` requests attending to
-  // nothing, `rows` the rows whose logits are wanted.
-  at::Tensor step(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+  // The logits [rows, vocab] of a decode pass: `tokens` [M] at `positions` [M], slots [M] where
+  // each token's K/V goes, request r's keys key_index[r] where mask[r] (its own token's slot among
+  // them), `empty` requests attending to nothing, `rows` the rows whose logits are wanted.
+  at::Tensor step(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& slots,
                   const at::Tensor& key_index, const at::Tensor& mask, const at::Tensor& empty,
                   const at::Tensor& rows) {
-    TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == at::kFloat && x.size(0) > 0,
-                "x: float32 [tokens, hidden]");
-    const int64_t m = x.size(0);
-    for (const at::Tensor* t : {&cos, &sin}) {
-      TORCH_CHECK(t->dim() == 2 && t->size(0) == m && t->size(1) == dim_ && t->scalar_type() == at::kFloat,
-                  "cos, sin: float32 [tokens, head_dim]");
-    }
+    TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && tokens.size(0) > 0,
+                "tokens: int64 [tokens], at least one");
+    const int64_t m = tokens.size(0);
+    TORCH_CHECK(positions.dim() == 1 && positions.size(0) == m && positions.scalar_type() == at::kLong,
+                "positions: int64 [tokens]");
     TORCH_CHECK(slots.dim() == 1 && slots.size(0) == m && slots.scalar_type() == at::kLong, "slots: int64 [tokens]");
     TORCH_CHECK(key_index.dim() == 2 && key_index.size(0) == m && key_index.scalar_type() == at::kLong,
                 "key_index: int64 [tokens, keys] (one query per request)");
     TORCH_CHECK(mask.sizes() == key_index.sizes() && mask.scalar_type() == at::kBool, "mask: bool like key_index");
     TORCH_CHECK(empty.dim() == 1 && empty.size(0) == m && empty.scalar_type() == at::kBool, "empty: bool [tokens]");
     TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows: int64 [outputs]");
-    const at::Tensor xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous(), slc = slots.contiguous();
+    const at::Tensor tc = tokens.contiguous(), pc = positions.contiguous(), slc = slots.contiguous();
     const at::Tensor ic = key_index.contiguous(), mc = mask.contiguous(), ec = empty.contiguous();
     const at::Tensor rc = rows.contiguous();
     const int64_t num_slots = k_cache_.size(1);
     const int64_t* sp = slc.data_ptr<int64_t>();
+    const int64_t* tp = tc.data_ptr<int64_t>();
+    const int64_t vocab = embed_.size(0);
     for (int64_t i = 0; i < m; ++i) {
+      TORCH_CHECK(tp[i] >= 0 && tp[i] < vocab, "tokens: ", tp[i], " outside the vocabulary of ", vocab);
       TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "slots: ", sp[i], " outside the cache's ", num_slots, " slots");
     }
     const int64_t* rp = rc.data_ptr<int64_t>();
@@ -218,9 +226,23 @@ class DecodeStep {
     const int threads = std::max(1, at::get_num_threads());
     step::schedule_attention(schedule_, ic.data_ptr<int64_t>(), mc.data_ptr<bool>(), ec.data_ptr<bool>(), m, heads_,
                              kv_heads_, dim_, key_index.size(1), num_slots, threads);
-    at::Tensor logits = at::empty({rc.numel(), vocab_}, x.options());
-    const Inputs in{xc.data_ptr<float>(), cc.data_ptr<float>(), sc.data_ptr<float>(), sp, rp, rc.numel(),
-                    logits.data_ptr<float>()};
+    at::Tensor logits = at::empty({rc.numel(), vocab_}, embed_.options());
+    // The embeddings and each token's RoPE cos/sin [D] (rotate-half: the D / 2 angles twice), the
+    // angles in float32 as `model.rope_cos_sin` computes them.
+    std::vector<float> x(m * hidden_), cosines(m * dim_), sines(m * dim_);
+    const float* ep = embed_.data_ptr<float>();
+    const float* fp = inv_freq_.data_ptr<float>();
+    const int64_t* pp = pc.data_ptr<int64_t>();
+    const int64_t half = dim_ / 2;
+    for (int64_t i = 0; i < m; ++i) {
+      std::copy(ep + tp[i] * hidden_, ep + (tp[i] + 1) * hidden_, x.begin() + i * hidden_);
+      for (int64_t j = 0; j < half; ++j) {
+        const float angle = static_cast<float>(pp[i]) * fp[j];
+        cosines[i * dim_ + j] = cosines[i * dim_ + half + j] = std::cos(angle);
+        sines[i * dim_ + j] = sines[i * dim_ + half + j] = std::sin(angle);
+      }
+    }
+    const Inputs in{x.data(), cosines.data(), sines.data(), sp, rp, rc.numel(), logits.data_ptr<float>()};
     switch (k_cache_.scalar_type()) {
       case at::kFloat:
         run(in, m, threads, k_cache_.data_ptr<float>(), v_cache_.data_ptr<float>());
@@ -335,6 +357,7 @@ class DecodeStep {
     }
   }
 
+  at::Tensor embed_, inv_freq_;
   std::vector<at::Tensor> weights_, norms_;
   at::Tensor k_cache_, v_cache_;
   int64_t heads_, kv_heads_, dim_;
@@ -368,8 +391,8 @@ namespace wafer {
 
 void register_decode_step(py::module_& m) {
   py::class_<DecodeStep>(m, "DecodeStep")
-      .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>, at::Tensor, at::Tensor,
-                    int64_t, int64_t, int64_t, double, double>())
+      .def(py::init<at::Tensor, at::Tensor, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>,
+                    at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, double>())
       .def("step", &DecodeStep::step, py::call_guard<py::gil_scoped_release>())
       .def("variant", &DecodeStep::variant);
   m.def("w8a8_columns", &w8a8_columns);

@@ -17,7 +17,7 @@ import torch
 from drivers.torch import cpu_kernels
 from drivers.torch.batch_plan import PassPlan
 from drivers.torch.kv_cache import PagedKVCache
-from drivers.torch.model import Transformer, rope_cos_sin
+from drivers.torch.model import Transformer
 from drivers.torch.paged_attention import PagedAttention
 from drivers.torch.quantize import DynamicInt8Linear
 
@@ -72,6 +72,8 @@ class FusedDecode:
         self.model = model
         self.cache = cache
         self._step = module.DecodeStep(
+            model.model.embed_tokens.weight.detach().contiguous(),
+            model.inv_freq.float().contiguous(),
             [lin.packed for lin in linears],
             [lin.out_features for lin in linears],
             [w.contiguous() for w in norms],
@@ -96,10 +98,8 @@ class FusedDecode:
 
     def __call__(self, plan: PassPlan, attention: PagedAttention, rows: torch.Tensor) -> torch.Tensor:
         """Float32 logits [len(rows), vocab] of a decode pass (`takes(plan)`), its K/V written."""
-        model = self.model
-        x = model.model.embed_tokens(plan.tokens)
-        cos, sin = rope_cos_sin(model.inv_freq, plan.positions, torch.float32)
         slots, _, key_index, mask, empty, _ = attention.family_keys(0)
         self.passes += 1
-        logits: torch.Tensor = self._step.step(x, cos[:, 0], sin[:, 0], slots, key_index, mask[:, 0], empty[:, 0], rows)
+        args = (plan.tokens, plan.positions, slots, key_index, mask[:, 0], empty[:, 0], rows)
+        logits: torch.Tensor = self._step.step(*args)
         return logits

@@ -182,30 +182,27 @@ def test_bad_inputs_are_refused(tmp_path: Path) -> None:
     assert drv.fused is not None and drv.cache is not None
     step = drv.fused._step
     cfg = ckpt.cfg
-    x = torch.zeros(1, cfg.hidden_size)
-    cs = torch.zeros(1, cfg.head_dim)
-    keys, mask, empty, rows = (
-        torch.zeros(1, 2, dtype=torch.long),
-        torch.ones(1, 2, dtype=torch.bool),
-        torch.zeros(1, dtype=torch.bool),
-        torch.zeros(1, dtype=torch.long),
-    )
-    slots = torch.zeros(1, dtype=torch.long)
-    assert step.step(x, cs, cs, slots, keys, mask, empty, rows).shape == (1, cfg.vocab_size)
-    bad_slot = torch.tensor([10_000])
+    one = torch.zeros(1, dtype=torch.long)
+    keys, mask, empty = torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool), one.bool()
+    assert step.step(one, one, one, keys, mask, empty, one).shape == (1, cfg.vocab_size)
+    big = torch.tensor([10_000])
     with pytest.raises(RuntimeError, match="slots: 10000 outside the cache"):
-        step.step(x, cs, cs, bad_slot, keys, mask, empty, rows)
+        step.step(one, one, big, keys, mask, empty, one)
     with pytest.raises(RuntimeError, match="key_index: slot 10000"):
-        step.step(x, cs, cs, slots, keys + 10_000, mask, empty, rows)
+        step.step(one, one, one, keys + 10_000, mask, empty, one)
     with pytest.raises(RuntimeError, match="rows: 3 is not a row"):
-        step.step(x, cs, cs, slots, keys, mask, empty, torch.tensor([3]))
-    with pytest.raises(RuntimeError, match="x: float32"):
-        step.step(x[:, :-1], cs, cs, slots, keys, mask, empty, rows)
+        step.step(one, one, one, keys, mask, empty, torch.tensor([3]))
+    with pytest.raises(RuntimeError, match="tokens: 10000 outside the vocabulary"):
+        step.step(big, one, one, keys, mask, empty, one)
+    with pytest.raises(RuntimeError, match="positions: int64"):
+        step.step(one, one.float(), one, keys, mask, empty, one)
     module = cpu_kernels.pass_planner()
     assert module is not None
     cache = drv.cache
     with pytest.raises(RuntimeError, match="weights: 4 per layer"):
-        module.DecodeStep([], [], [], cache.k, cache.v, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 1e-5, 1.0)
+        module.DecodeStep(
+            cache.k, cache.k, [], [], [], cache.k, cache.v, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 1e-5, 1.0
+        )
     # the driver still decodes afterwards
     drv.forward(forward([request([1, 2, 3], 0, range(1), 16)]))
     drv.forward(forward([request([4], 3, range(1), 16)]))

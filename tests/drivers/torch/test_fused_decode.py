@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from bridge_schema.batch import Sampler
-from bridge_schema.messages import Hello
+from bridge_schema.messages import Adapter, Hello
 from drivers.torch import cpu_kernels
 from drivers.torch.checkpoint import Checkpoint
 from drivers.torch.driver import DriverOptions, TorchDriver
-from drivers.torch.fused_decode import unsupported
+from drivers.torch.fused_decode import MAX_ROWS, unsupported
 from drivers.torch.quantize import DynamicInt8Linear
 from tests.drivers.torch.helpers import (
     forward,
@@ -27,6 +27,7 @@ from tests.drivers.torch.helpers import (
     needs_kernel,
     random_tokens,
     request,
+    write_adapter,
     write_tiny_gemma,
     write_tiny_llama,
 )
@@ -155,6 +156,17 @@ def test_only_decode_passes_without_adapters_take_it(tmp_path: Path) -> None:
     assert drv.fused.passes == 0
     drv.forward(forward([request([3], 8, range(4), 16, sampler=Sampler(temperature=0.7, seed=3))]))
     assert drv.fused.passes == 1
+    many = [request([1], 0, [4 + i], 16, context_id=1 + i) for i in range(MAX_ROWS + 1)]
+    drv.forward(forward(many[:MAX_ROWS]))
+    assert drv.fused.passes == 2
+    drv.forward(forward(many))  # more rows than it takes
+    assert drv.fused.passes == 2
+    write_adapter(tmp_path / "a", ckpt, seed=1)
+    drv.adapter(Adapter(op="load", adapter_id=1, path=str(tmp_path / "a")))
+    drv.forward(forward([request([3], 9, range(4), 16, adapter_id=1)]))  # LoRA: the model's path
+    assert drv.fused.passes == 2
+    drv.forward(forward([request([3], 9, range(4), 16)]))
+    assert drv.fused.passes == 3
     assert drv.health()["decode_step"].startswith("fused")
 
 

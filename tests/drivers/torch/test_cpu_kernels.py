@@ -230,7 +230,10 @@ def _apply(lin: DynamicInt8Linear, x: torch.Tensor) -> torch.Tensor:
 @needs_kernel
 def test_driver_kernel_equals_torch_path(kernel: None, tmp_path: Path) -> None:
     ckpt = load_dir(write_tiny_llama(tmp_path / "m"))
-    drivers = [TorchDriver(ckpt, DriverOptions(weights="w8a8", w8a8_kernel=on, num_pages=8)) for on in (True, False)]
+    # The model's path on both (the fused decode step, test_fused_decode.py, rounds its norms and
+    # SiLU its own way): the matmuls alone are compared here.
+    options = [DriverOptions(weights="w8a8", w8a8_kernel=on, num_pages=8, fused_decode=False) for on in (True, False)]
+    drivers = [TorchDriver(ckpt, o) for o in options]
     assert [d.model.model.layers[0].mlp.down_proj.use_kernel for d in drivers] == [True, False]
     prompt = random_tokens(13, 96, seed=4)
     for drv in drivers:

@@ -1,17 +1,18 @@
 // wafer's fused decode step (`DecodeStep`, a Python class of the build; `fused_decode.py`): a
-// whole decode pass of a Llama-style model with w8a8 weights (one query per request, float32
-// activations) in one call and one parallel region, from the embeddings to the chosen rows'
-// logits. The layers run the same kernels as the ops (w8a8_kernel.cpp's panels, decode
-// attention's tasks) through `step_parts.h`, on the threads of one OpenMP region, with a barrier
-// between the phases of a layer, instead of ~150 op calls a step, each a fork and a join of the
-// threads, with the small work between them (norms, RoPE, SiLU, residuals) on one thread while
-// the other waits.
+// whole decode pass of a Llama-style model with w8a8 or float32 weights (one query per request,
+// float32 activations) in one call and one parallel region, from the embeddings to the chosen
+// rows' logits. The layers run the same kernels as the ops (w8a8_kernel.cpp's panels,
+// f32_matvec.cpp's items, decode attention's tasks) through `step_parts.h`, on the threads of one
+// OpenMP region, with a barrier between the phases of a layer, instead of ~150 op calls a step,
+// each a fork and a join of the threads, with the small work between them (norms, RoPE, SiLU,
+// residuals) on one thread while the other waits.
 //
 // A layer, per thread t of T:
 //   norm + quantize (every thread its own copy: the residual stream, the normed rows and their
 //     int8 codes are private, computed by the same code from the same inputs, so the copies are
 //     equal and no thread waits for another to make them)
-//   q/k/v columns (the thread's share, in 16-column units)          | barrier
+//   q/k/v columns (the thread's share, in 16-column units; float32: | barrier
+//     its share of the op's items, a barrier, its share of the sums)
 //   RoPE of q and k, K/V into the cache (KV heads t, t + T, ...)     | barrier
 //   attention (worker t's tasks of the pass's schedule)              | barrier
 //   quantize the attention rows, o columns                           | barrier
@@ -20,7 +21,8 @@
 //   residual
 // then the final norm and the output head's columns for the chosen rows.
 //
-// Every output of a matmul comes from one thread, with the integer sums of the ops (exact), and
+// Every output of a matmul comes from one thread, with the ops' sums (w8a8's exact integers;
+// float32's parts in the op's order, so the op's bits), and
 // everything else is computed the same way for a row whatever the batch or the thread count: a
 // row's logits are the same alone or in any batch, on any number of threads. They agree with the
 // torch path of the same model (eager or compiled) to float32 rounding in the norms, SiLU and
@@ -33,6 +35,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "cpu_features.h"
@@ -136,11 +139,20 @@ std::pair<int64_t, int64_t> share(int64_t n, int t, int threads) {
   return {std::min(16 * u0, n), std::min(16 * u1, n)};
 }
 
+// One projection as the step reads it: packed w8a8 weights (`q8`), or float32 weights [in, out]
+// (`f32`, `cpu_layout.TransposedLinear.weight_t`).
+struct Projection {
+  step::Linear q8{};
+  const float* f32 = nullptr;
+  int64_t n = 0, k = 0;
+};
+
 class DecodeStep {
  public:
   // `embed`: the float32 token embeddings [vocab, hidden]; `inv_freq`: RoPE's inverse
-  // frequencies [head_dim / 2]. `weights`: per layer the packed q/k/v, o, gate/up and down
-  // linears, then the output head; `outs`: each one's output count. `norms`: per layer the input
+  // frequencies [head_dim / 2]. `weights`: per layer the q/k/v, o, gate/up and down linears, then
+  // the output head, all packed w8a8 (int8, `DynamicInt8Linear.packed`) or all float32 [in, out]
+  // (`TransposedLinear.weight_t`); `outs`: each one's output count. `norms`: per layer the input
   // and post-attention norms' weights, then the final norm's. The caches: [layers, slots,
   // kv_heads, head_dim].
   DecodeStep(at::Tensor embed, at::Tensor inv_freq, std::vector<at::Tensor> weights, std::vector<int64_t> outs,
@@ -170,11 +182,25 @@ class DecodeStep {
                   ": gate/up must output twice the intermediate size");
     }
     inter_ = outs[2] / 2;
+    f32_ = weights_.back().scalar_type() == at::kFloat;
+    auto projection = [&](const at::Tensor& w, int64_t n, int64_t k) {
+      Projection p;
+      p.n = n, p.k = k;
+      if (!f32_) {
+        p.q8 = step::packed_linear(w, n, k);
+        return p;
+      }
+      TORCH_CHECK(w.dim() == 2 && w.size(0) == k && w.size(1) == n && w.scalar_type() == at::kFloat &&
+                      w.is_contiguous() && w.is_cpu(),
+                  "float32 weights: contiguous [in, out] = [", k, ", ", n, "], like the others");
+      p.f32 = w.data_ptr<float>();
+      return p;
+    };
     for (int64_t l = 0; l < layers_; ++l) {
       const int64_t ins[4] = {hidden_, heads * head_dim, hidden_, inter_};
-      for (int64_t j = 0; j < 4; ++j) linears_.push_back(step::packed_linear(weights_[4 * l + j], outs[4 * l + j], ins[j]));
+      for (int64_t j = 0; j < 4; ++j) linears_.push_back(projection(weights_[4 * l + j], outs[4 * l + j], ins[j]));
     }
-    linears_.push_back(step::packed_linear(weights_.back(), outs.back(), hidden_));
+    linears_.push_back(projection(weights_.back(), outs.back(), hidden_));
     vocab_ = outs.back();
     TORCH_CHECK(embed_.dim() == 2 && embed_.size(1) == hidden_ && embed_.scalar_type() == at::kFloat &&
                     embed_.is_contiguous() && embed_.is_cpu(),
@@ -200,6 +226,7 @@ class DecodeStep {
     TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && tokens.size(0) > 0,
                 "tokens: int64 [tokens], at least one");
     const int64_t m = tokens.size(0);
+    TORCH_CHECK(m <= max_rows(), "a float32 step takes at most ", max_rows(), " tokens, got ", m);
     TORCH_CHECK(positions.dim() == 1 && positions.size(0) == m && positions.scalar_type() == at::kLong,
                 "positions: int64 [tokens]");
     TORCH_CHECK(slots.dim() == 1 && slots.size(0) == m && slots.scalar_type() == at::kLong, "slots: int64 [tokens]");
@@ -257,11 +284,15 @@ class DecodeStep {
     return logits;
   }
 
-  // Which variants a step runs now: "w8a8 <level>, attention <level>".
+  // Which variants a step runs now: "w8a8 <level>, attention <level>" (or "float32 <level>, ...").
   std::string variant() const {
-    return std::string("w8a8 ") + wafer::kIsaNames[step::w8a8_isa()] + ", attention " +
+    const char* matmul = f32_ ? "float32 " : "w8a8 ";
+    return matmul + std::string(wafer::kIsaNames[f32_ ? step::f32_isa() : step::w8a8_isa()]) + ", attention " +
            wafer::kIsaNames[step::attention_isa()];
   }
+
+  // The most tokens a pass may have: the float32 product's rows (any for w8a8).
+  int64_t max_rows() const { return f32_ ? step::kF32MaxRows : std::numeric_limits<int64_t>::max(); }
 
  private:
   struct Inputs {
@@ -280,12 +311,14 @@ class DecodeStep {
     const int64_t qn = h * d, qkv_n = (h + 2 * hkv) * d, layer_elems = k_cache_.size(1) * hkv * d;
     const int64_t widest = std::max({hidden, qn, inter});
     const int64_t kp = step::quantized_width(widest);
-    const Isa mm = step::w8a8_isa(), vec = step::attention_isa();
-    // Shared between the threads: the matmuls' outputs, the rotated queries, attention's output.
+    const Isa mm = f32_ ? step::f32_isa() : step::w8a8_isa(), vec = step::attention_isa();
+    // Shared between the threads: the matmuls' outputs, the rotated queries, attention's output;
+    // with float32 weights, the parts' partial sums of a product.
     std::vector<float> qkv(m * qkv_n), q_rot(m * qn), attn(m * qn, 0.0f), o(m * hidden), gu(m * 2 * inter),
         down(m * hidden);
-    // Each thread's own: the residual stream, normed rows (or SiLU's), their int8 codes and scales.
     const int64_t mo = std::max(m, in.num_rows);
+    std::vector<float> partial(f32_ ? step::kF32Parts * mo * std::max({qkv_n, hidden, 2 * inter, vocab_}) : 0);
+    // Each thread's own: the residual stream, normed rows (or SiLU's), their int8 codes and scales.
     struct Own {
       std::vector<float> x, h, rot;
       std::vector<int8_t> xq;
@@ -301,14 +334,34 @@ class DecodeStep {
       my.xq.resize(mo * kp);
       my.sx.resize(mo);
       my.rot.resize(d);
-      auto columns = [&](const step::Linear& w, int64_t rows, const float* src, int64_t k, float* y) {
-        const int64_t wk = step::quantized_width(k);
-        step::quantize_rows(mm, src, k, rows, k, my.xq.data(), wk, my.sx.data());
-        const auto [c0, c1] = share(w.n, t, nt);
-        if (c0 < c1) step::linear_columns(mm, my.xq.data(), wk, my.sx.data(), rows, w, c0, c1, y, w.n);
+      // y = the rows of `src` (k inputs each) times `w`, the thread's share of it. w8a8: the rows'
+      // int8 codes (each thread its own), then its columns. float32: the op's items (a part of
+      // the inputs times a tile of the columns) shared out, a barrier, then the parts' partial
+      // sums added in part order, each thread its share of the outputs (f32_matvec.cpp's bits).
+      auto columns = [&](const Projection& w, int64_t rows, const float* src, int64_t k, float* y) {
+        if (!f32_) {
+          const int64_t wk = step::quantized_width(k);
+          step::quantize_rows(mm, src, k, rows, k, my.xq.data(), wk, my.sx.data());
+          const auto [c0, c1] = share(w.n, t, nt);
+          if (c0 < c1) step::linear_columns(mm, my.xq.data(), wk, my.sx.data(), rows, w.q8, c0, c1, y, w.n);
+          return;
+        }
+        const int64_t parts = std::min(step::kF32Parts, k), tiles = (w.n + step::kF32Tile - 1) / step::kF32Tile;
+        const int64_t items = parts * tiles, size = rows * w.n;
+        for (int64_t item = items * t / nt; item < items * (t + 1) / nt; ++item) {
+          const int64_t p = item / tiles, c0 = item % tiles * step::kF32Tile;
+          step::f32_part(mm, rows, src, k, w.f32, w.n, partial.data() + p * size, k * p / parts, k * (p + 1) / parts,
+                         c0, std::min(w.n, c0 + step::kF32Tile));
+        }
+#pragma omp barrier
+        for (int64_t j = size * t / nt; j < size * (t + 1) / nt; ++j) {
+          float acc = partial[j];
+          for (int64_t p = 1; p < parts; ++p) acc += partial[p * size + j];
+          y[j] = acc;
+        }
       };
       for (int64_t l = 0; l < layers_; ++l) {
-        const step::Linear* lin = &linears_[4 * l];
+        const Projection* lin = &linears_[4 * l];
         rms_norm_rows(my.x.data(), m, hidden, norms_[2 * l].data_ptr<float>(), eps_, my.h.data());
         columns(lin[0], m, my.h.data(), hidden, qkv.data());
 #pragma omp barrier
@@ -363,7 +416,8 @@ class DecodeStep {
   int64_t heads_, kv_heads_, dim_;
   float eps_, scale_;
   int64_t layers_ = 0, hidden_ = 0, inter_ = 0, vocab_ = 0;
-  std::vector<step::Linear> linears_;
+  std::vector<Projection> linears_;
+  bool f32_ = false;  // float32 weights (else w8a8)
   step::AttentionSchedule schedule_;
 };
 
@@ -394,7 +448,8 @@ void register_decode_step(py::module_& m) {
       .def(py::init<at::Tensor, at::Tensor, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>,
                     at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, double>())
       .def("step", &DecodeStep::step, py::call_guard<py::gil_scoped_release>())
-      .def("variant", &DecodeStep::variant);
+      .def("variant", &DecodeStep::variant)
+      .def("max_rows", &DecodeStep::max_rows);
   m.def("w8a8_columns", &w8a8_columns);
 }
 

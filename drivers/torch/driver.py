@@ -77,8 +77,8 @@ class DriverOptions:
     # int8 weights on the CPU: one buffer in step order on huge pages (`weight_arena.py`); False
     # keeps one tensor per weight (same results; for side-by-side measurements).
     pack_weights: bool = True
-    # w8a8 on the CPU: decode passes as one C++ call (`fused_decode.py`) where the model allows it;
-    # False keeps the model's own path, eager or compiled (for side-by-side measurements).
+    # w8a8 or dense float32 on the CPU: decode passes as one C++ call (`fused_decode.py`) where the
+    # model allows it; False keeps the model's own path, eager or compiled (for side-by-side runs).
     fused_decode: bool = True
     # Compile each layer with torch.compile (CPU only; see `compiled.py`); compiles at the handshake.
     compile: bool = False
@@ -220,10 +220,11 @@ class TorchDriver:
         )
 
     def _fused_decode(self, cache: PagedKVCache) -> FusedDecode | None:
-        """The fused decode step over `cache`, where the options ask for it (w8a8 on the CPU) and the
-        model allows it (logged where it does not)."""
+        """The fused decode step over `cache`, where the options ask for it (w8a8, or dense float32,
+        on the CPU) and the model allows it (logged where it does not)."""
         o = self.options
-        if not (o.fused_decode and o.weights == "w8a8" and self.device.type == "cpu"):
+        dense32 = o.weights == "dense" and self.dtype == torch.float32
+        if not (o.fused_decode and (o.weights == "w8a8" or dense32) and self.device.type == "cpu"):
             return None
         reason = unsupported(self.model, cache)
         if reason:

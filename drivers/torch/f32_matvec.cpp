@@ -21,6 +21,7 @@
 #include <string>
 
 #include "cpu_features.h"
+#include "step_parts.h"
 
 #if WAFER_X86
 #include <immintrin.h>
@@ -30,9 +31,9 @@ namespace {
 
 // The variants, best first (cpu_features.h); portable: part_portable.
 constexpr wafer::Isa kLevels[] = {wafer::kAvx512, wafer::kAvx2};
-constexpr int64_t kMaxRows = 4;
-constexpr int64_t kTile = 4096;  // output columns per tile: 16 KB a row of partial sums, in L1
-constexpr int64_t kParts = 4;    // the inputs are cut into this many parts (fixed: not the thread count)
+constexpr int64_t kMaxRows = wafer::step::kF32MaxRows;
+constexpr int64_t kTile = wafer::step::kF32Tile;    // output columns per tile: 16 KB a row of partial sums, in L1
+constexpr int64_t kParts = wafer::step::kF32Parts;  // the inputs are cut into this many parts (not the thread count)
 
 // y[r][c0:c1] = sum over i in [i0, i1) of x[r][i] * w[i][c0:c1] for the M rows, inputs in order;
 // x rows are `in` long, w and y rows `ld`.
@@ -108,6 +109,11 @@ Part pick_part(wafer::Isa isa) {
   return part_portable<M>;
 }
 
+// The item function for m rows (1 <= m <= kMaxRows).
+Part part_for(int64_t m, wafer::Isa isa) {
+  return m == 1 ? pick_part<1>(isa) : m == 2 ? pick_part<2>(isa) : m == 3 ? pick_part<3>(isa) : pick_part<4>(isa);
+}
+
 at::Tensor f32_linear_t(const at::Tensor& x, const at::Tensor& w_t) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: float32 [rows, in]");
   TORCH_CHECK(w_t.dim() == 2 && w_t.scalar_type() == at::kFloat && w_t.is_contiguous(),
@@ -117,7 +123,7 @@ at::Tensor f32_linear_t(const at::Tensor& x, const at::Tensor& w_t) {
   if (m > kMaxRows || m == 0 || in == 0) return at::matmul(x, w_t);
   const at::Tensor xc = x.contiguous();
   const wafer::Isa isa = wafer::pick(kLevels);
-  Part part = m == 1 ? pick_part<1>(isa) : m == 2 ? pick_part<2>(isa) : m == 3 ? pick_part<3>(isa) : pick_part<4>(isa);
+  const Part part = part_for(m, isa);
   const float* xp = xc.data_ptr<float>();
   const float* wp = w_t.data_ptr<float>();
   // Work items: a part of the inputs times a tile of the columns, each writing its own partial
@@ -149,6 +155,17 @@ at::Tensor f32_linear_t(const at::Tensor& x, const at::Tensor& w_t) {
 std::string f32_linear_variant() { return wafer::kIsaNames[wafer::pick(kLevels)]; }
 
 }  // namespace
+
+namespace wafer::step {
+
+Isa f32_isa() { return wafer::pick(kLevels); }
+
+void f32_part(Isa isa, int64_t m, const float* x, int64_t in, const float* w, int64_t ld, float* y, int64_t i0,
+              int64_t i1, int64_t c0, int64_t c1) {
+  part_for(m, isa)(x, in, w, ld, y, i0, i1, c0, c1);
+}
+
+}  // namespace wafer::step
 
 TORCH_LIBRARY_FRAGMENT(wafer, lib) {
   lib.def("f32_linear_t(Tensor x, Tensor w_t) -> Tensor");

@@ -1,5 +1,5 @@
 """The fused decode step: a decode pass (one token per request) of a Llama-style model with w8a8
-weights on the CPU as one C++ call, `DecodeStep` of `decode_step.cpp`, from the embeddings to the
+or dense float32 weights on the CPU as one C++ call, `DecodeStep` of `decode_step.cpp`, from the embeddings to the
 output rows' logits, on the threads of one parallel region. The same kernels as the ops the model
 calls otherwise (eager or compiled), without ~150 op calls a step between which one thread runs the
 small work (norms, RoPE, SiLU, residuals) while the other waits.
@@ -13,24 +13,39 @@ depend on the other rows of its pass or on the thread count (tested bit for bit)
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from drivers.torch import cpu_kernels
 from drivers.torch.batch_plan import PassPlan
+from drivers.torch.cpu_layout import TransposedLinear
 from drivers.torch.kv_cache import PagedKVCache
 from drivers.torch.model import Transformer
 from drivers.torch.paged_attention import PagedAttention
 from drivers.torch.quantize import DynamicInt8Linear
 
-
-# The most tokens a fused pass takes. Every thread norms, quantizes and applies SiLU to every row
+# The most tokens a w8a8 pass takes. Every thread norms, quantizes and applies SiLU to every row
 # itself (so that no thread waits for another to make them), work that grows with the rows while
 # the weights read stay the same. bench/decode.py, SmolLM2, a float16 KV cache, 2 threads (Zen 4),
-# against the compiled model: batch 1 1.13x (8 rounds interleaved), 8 1.06x, 32 0.81x.
+# against the compiled model: batch 1 1.13x (8 rounds interleaved), 8 1.06x, 32 0.81x. Float32
+# passes take at most 4 (`cpu_layout.KERNEL_MAX_ROWS`: its product's rows).
 MAX_ROWS = 8
 
 
 def _packed(lin: object) -> bool:
     return isinstance(lin, DynamicInt8Linear) and lin.use_kernel and lin.packed is not None and lin.bias is None
+
+
+def _transposed(lin: object) -> bool:
+    return isinstance(lin, TransposedLinear) and lin.use_kernel and lin.bias is None
+
+
+def _weights(lin: object) -> torch.Tensor:
+    """What `DecodeStep` reads of a projection: the packed w8a8 bytes or the float32 [in, out]."""
+    if isinstance(lin, DynamicInt8Linear):
+        assert lin.packed is not None
+        return lin.packed
+    assert isinstance(lin, TransposedLinear)
+    return lin.weight_t
 
 
 def unsupported(model: Transformer, cache: PagedKVCache) -> str:
@@ -48,12 +63,14 @@ def unsupported(model: Transformer, cache: PagedKVCache) -> str:
     for bad, why in reasons:
         if bad:
             return why
+    head = model.output_head
+    kind = _packed if _packed(head) else _transposed if _transposed(head) else None
+    if kind is None:
+        return "an output head other than a packed w8a8 or a float32 kernel one"
     for block in model.model.blocks():
         attn, mlp = block.self_attn, block.mlp
-        if not all(_packed(lin) for lin in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)):
-            return "projections other than fused, packed w8a8 kernel ones"
-    if not _packed(model.output_head):
-        return "an output head other than a packed w8a8 kernel one"
+        if not all(kind(lin) for lin in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)):
+            return "projections other than fused ones of the output head's kind (packed w8a8 or float32 kernel)"
     return ""
 
 
@@ -67,13 +84,13 @@ class FusedDecode:
         module = cpu_kernels.pass_planner()
         assert module is not None
         cfg = model.cfg
-        linears: list[DynamicInt8Linear] = []
+        linears: list[nn.Module] = []
         norms: list[torch.Tensor] = []
         for block in model.model.blocks():
             attn, mlp = block.self_attn, block.mlp
             linears += [attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj]  # type: ignore[list-item]
             norms += [block.input_layernorm.weight.detach(), block.post_attention_layernorm.weight.detach()]
-        assert isinstance(model.output_head, DynamicInt8Linear)
+        assert model.output_head is not None
         linears.append(model.output_head)
         norms.append(model.model.norm.weight.detach())
         self.model = model
@@ -81,8 +98,8 @@ class FusedDecode:
         self._step = module.DecodeStep(
             model.model.embed_tokens.weight.detach().contiguous(),
             model.inv_freq.float().contiguous(),
-            [lin.packed for lin in linears],
-            [lin.out_features for lin in linears],
+            [_weights(lin) for lin in linears],
+            [_weights(lin).shape[1] if _transposed(lin) else lin.out_features for lin in linears],
             [w.contiguous() for w in norms],
             cache.k,
             cache.v,
@@ -93,15 +110,15 @@ class FusedDecode:
             cfg.scale,
         )
         self.passes = 0  # passes run (for tests and `health`)
+        self.max_rows = min(MAX_ROWS, int(self._step.max_rows()))
 
     def variant(self) -> str:
         """The kernels' variants a step runs now, e.g. "w8a8 avx512_vnni, attention avx512"."""
         return str(self._step.variant())
 
-    @staticmethod
-    def takes(plan: PassPlan) -> bool:
-        """Whether `plan` is a decode pass (one token for each request) of at most MAX_ROWS tokens."""
-        return plan.q_index.shape[1] == 1 and len(plan.tokens) == plan.q_index.shape[0] <= MAX_ROWS
+    def takes(self, plan: PassPlan) -> bool:
+        """Whether `plan` is a decode pass (one token for each request) of at most `max_rows` tokens."""
+        return plan.q_index.shape[1] == 1 and len(plan.tokens) == plan.q_index.shape[0] <= self.max_rows
 
     def __call__(self, plan: PassPlan, attention: PagedAttention, rows: torch.Tensor) -> torch.Tensor:
         """Float32 logits [len(rows), vocab] of a decode pass (`takes(plan)`), its K/V written."""

@@ -1,6 +1,7 @@
 // The pieces of the kernels that `decode_step.cpp` runs inside its own parallel region: the w8a8
-// matmul's activation quantization and a range of its output columns (w8a8_kernel.cpp), and one
-// worker's share of decode attention (decode_attention.cpp). Each runs on the calling thread
+// matmul's activation quantization and a range of its output columns (w8a8_kernel.cpp), the
+// float32 product's items (f32_matvec.cpp), and one worker's share of decode attention
+// (decode_attention.cpp). Each runs on the calling thread
 // only; the ops of those files call them from their own `at::parallel_for`.
 
 #pragma once
@@ -47,6 +48,21 @@ void quantize_rows(Isa isa, const float* x, int64_t ldx, int64_t m, int64_t k, i
 // to the w8a8_linear op's columns.
 void linear_columns(Isa isa, const int8_t* xq, int64_t kp, const float* sx, int64_t m, const Linear& w, int64_t c0,
                     int64_t c1, float* y, int64_t ldy);
+
+// ---------------------------------------------------------- float32 (f32_matvec.cpp)
+
+// The float32 decode product y = x @ w_t (weights [in, out]) of at most kF32MaxRows rows: the inputs
+// cut into kF32Parts parts (at most; never more than the inputs), the columns into tiles of
+// kF32Tile, each (part, tile) item writing its own partial sums, the parts then added in part order.
+constexpr int64_t kF32MaxRows = 4, kF32Parts = 4, kF32Tile = 4096;
+
+// The variant the float32 product runs now (kAvx512, kAvx2 or kPortable).
+Isa f32_isa();
+
+// One item: y[r * ld + c] for c in [c0, c1) = the sum over inputs i in [i0, i1) of x[r * in + i] *
+// w[i * ld + c], in input order, for rows r < m (1 <= m <= kF32MaxRows).
+void f32_part(Isa isa, int64_t m, const float* x, int64_t in, const float* w, int64_t ld, float* y, int64_t i0,
+              int64_t i1, int64_t c0, int64_t c1);
 
 // ------------------------------------------------- decode attention (decode_attention.cpp)
 

@@ -655,8 +655,10 @@ def test_f32_linear_refuses_what_it_cannot_multiply(kernel: None) -> None:
 def test_float32_decode_runs_the_f32_kernel_with_torchs_logits(kernel: None, tmp_path: Path) -> None:
     # Dense float32 on the CPU: decode rows (up to 4) through the op, prefill through torch; the
     # logits agree with the torch path's to float32 rounding; `f32_kernel=False` keeps torch's.
+    # The model's path (decode passes otherwise run the fused step, test_fused_decode.py).
     ckpt = load_dir(write_tiny_llama(tmp_path / "m"))
-    on = make_driver(ckpt)
+    on = TorchDriver(ckpt, DriverOptions(page_size=16, num_pages=64, fused_decode=False))
+    on.handshake(Hello())
     off = TorchDriver(ckpt, DriverOptions(page_size=16, num_pages=64, f32_kernel=False))
     off.handshake(Hello())
     assert on.model.output_head.use_kernel and not off.model.output_head.use_kernel

@@ -63,11 +63,11 @@ def test_columns_give_the_ops_bits(isa: dict[str, str], rows: int) -> None:
         module.w8a8_columns(x, lin.packed[:-4], n, 0, n)
 
 
-def _drivers(ckpt: Checkpoint, kv_dtype: str = "", num_pages: int = 64) -> Iterator[TorchDriver]:
-    """A w8a8 driver with the fused step, then one without (the model's eager path)."""
+def _drivers(ckpt: Checkpoint, kv_dtype: str = "", num_pages: int = 64, weights: str = "w8a8") -> Iterator[TorchDriver]:
+    """A driver with the fused step, then one without (the model's eager path)."""
     for fused in (True, False):
         drv = TorchDriver(
-            ckpt, DriverOptions(weights="w8a8", num_pages=num_pages, kv_dtype=kv_dtype, fused_decode=fused)
+            ckpt, DriverOptions(weights=weights, num_pages=num_pages, kv_dtype=kv_dtype, fused_decode=fused)
         )
         drv.handshake(Hello())
         yield drv
@@ -122,9 +122,31 @@ def test_the_step_tracks_the_model_path(smollm2: Checkpoint, isa: dict[str, str]
         assert not cache_f[:, used:].any()  # nothing written past the tokens
 
 
-def test_a_row_does_not_depend_on_its_batch_or_the_threads(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kv_dtype", ["", "float16"])
+def test_the_float32_step_tracks_the_model_path(smollm2: Checkpoint, isa: dict[str, str], kv_dtype: str) -> None:
+    """Dense float32 (`make run`'s default): the same matmul bits as the model's path (the same
+    op's items and order), norms and SiLU rounded their own way: the same greedy tokens and logits
+    within float32 rounding (no int8 codes to amplify it; a float16 cache rounds some K/V the other
+    way: up to ~0.01 of logits ~30 apart)."""
+    fused, plain = _drivers(smollm2, kv_dtype, weights="dense")
+    assert fused.fused is not None and plain.fused is None
+    assert fused.fused.max_rows == 4 and fused.health()["decode_step"].startswith("fused (float32 ")
+    prompt = smollm2.tokenizer.encode("The capital of France is").ids
+    expected, expected_logits = _decode(plain, prompt, 24)
+    tokens, logits = _decode(fused, prompt, 24)
+    assert fused.fused.passes == 24
+    assert tokens == expected
+    assert (logits - expected_logits).abs().max() < (2e-3 if kv_dtype == "" else 3e-2)
+    used = len(prompt) + 24
+    for cache_f, cache_p in ((fused.cache.k, plain.cache.k), (fused.cache.v, plain.cache.v)):  # type: ignore[union-attr]
+        torch.testing.assert_close(cache_f[:, :used].float(), cache_p[:, :used].float(), atol=1e-2, rtol=2e-3)
+        assert not cache_f[:, used:].any()
+
+
+@pytest.mark.parametrize("weights", ["w8a8", "dense"])
+def test_a_row_does_not_depend_on_its_batch_or_the_threads(tmp_path: Path, weights: str) -> None:
     ckpt = load_dir(write_tiny_llama(tmp_path / "m"))
-    drv = next(_drivers(ckpt, num_pages=40))
+    drv = next(_drivers(ckpt, num_pages=40, weights=weights))
     ps = 16
     prompts = [random_tokens(n, 96, seed=n) for n in (9, 17, 40)]
     for i, p in enumerate(prompts):
@@ -147,17 +169,19 @@ def test_a_row_does_not_depend_on_its_batch_or_the_threads(tmp_path: Path) -> No
         torch.set_num_threads(threads)
 
 
-def test_only_decode_passes_without_adapters_take_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("weights", ["w8a8", "dense"])
+def test_only_decode_passes_without_adapters_take_it(tmp_path: Path, weights: str) -> None:
     ckpt = load_dir(write_tiny_llama(tmp_path / "m"))
-    drv = next(_drivers(ckpt, num_pages=40))
-    assert drv.fused is not None
+    drv = next(_drivers(ckpt, num_pages=40, weights=weights))
+    assert drv.fused is not None and drv.fused.max_rows == (MAX_ROWS if weights == "w8a8" else 4)
+    most = drv.fused.max_rows
     drv.forward(forward([request(random_tokens(6, 96, seed=1), 0, range(4), 16)]))  # a prefill
     drv.forward(forward([request([3, 4], 6, range(4), 16)]))  # two tokens of one request
     assert drv.fused.passes == 0
     drv.forward(forward([request([3], 8, range(4), 16, sampler=Sampler(temperature=0.7, seed=3))]))
     assert drv.fused.passes == 1
-    many = [request([1], 0, [4 + i], 16, context_id=1 + i) for i in range(MAX_ROWS + 1)]
-    drv.forward(forward(many[:MAX_ROWS]))
+    many = [request([1], 0, [4 + i], 16, context_id=1 + i) for i in range(most + 1)]
+    drv.forward(forward(many[:most]))
     assert drv.fused.passes == 2
     drv.forward(forward(many))  # more rows than it takes
     assert drv.fused.passes == 2
@@ -179,9 +203,11 @@ def test_models_it_does_not_take_keep_their_path(tmp_path: Path) -> None:
     assert drv.health()["decode_step"] == "model"
     llama = load_dir(write_tiny_llama(tmp_path / "m"))
     for options in (
-        DriverOptions(),
+        DriverOptions(f32_kernel=False),
+        DriverOptions(dtype="bfloat16"),
         DriverOptions(weights="w8a8", w8a8_kernel=False),
         DriverOptions(weights="w8a8", fused_decode=False),
+        DriverOptions(fused_decode=False),
     ):
         drv = TorchDriver(llama, options)
         drv.handshake(Hello())

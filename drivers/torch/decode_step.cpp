@@ -21,10 +21,10 @@
 //   residual
 // then the final norm and the output head's columns for the chosen rows.
 //
-// Every output of a matmul comes from one thread, with the ops' sums (w8a8's exact integers;
-// float32's parts in the op's order, so the op's bits), and
-// everything else is computed the same way for a row whatever the batch or the thread count: a
-// row's logits are the same alone or in any batch, on any number of threads. They agree with the
+// Every output of a matmul is summed as its op sums it (w8a8: exact integers, by one thread;
+// float32: the op's parts, added in part order), and everything else is computed the same way for
+// a row whatever the batch or the thread count: a row's logits are the same alone or in any
+// batch, on any number of threads. They agree with the
 // torch path of the same model (eager or compiled) to float32 rounding in the norms, SiLU and
 // softmax, which w8a8's activation rounding can amplify to a rounding step of an int8 code.
 

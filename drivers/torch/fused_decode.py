@@ -123,7 +123,7 @@ class FusedDecode:
     def __call__(self, plan: PassPlan, attention: PagedAttention, rows: torch.Tensor) -> torch.Tensor:
         """Float32 logits [len(rows), vocab] of a decode pass (`takes(plan)`), its K/V written."""
         slots, _, key_index, mask, empty, _ = attention.family_keys(0)
-        self.passes += 1
         args = (plan.tokens, plan.positions, slots, key_index, mask[:, 0], empty[:, 0], rows)
         logits: torch.Tensor = self._step.step(*args)
+        self.passes += 1
         return logits

@@ -277,6 +277,29 @@ __attribute__((target("avx2,fma"))) float quantize_row_avx2(const float* x, int6
 
 #endif  // WAFER_X86
 
+// Whether `isa`'s kernels take the activations as q + 128: the VNNI instructions multiply unsigned
+// by signed bytes (each output then subtracts 128 * its weight sum).
+bool unsigned_codes(Isa isa) { return isa == wafer::kAvx512Vnni || isa == wafer::kAvx2Vnni; }
+
+// Rows x[i * ldx ..][0, k) quantized (`quantize_row_portable`'s arithmetic, vectorized at `isa`'s
+// level: the same codes at every level) into xq[i * kp ..], zero past k, scales into sx[i]; as
+// q + 128 where `biased`.
+void quantize_codes(Isa isa, const float* x, int64_t ldx, int64_t m, int64_t k, int8_t* xq, int64_t kp, float* sx,
+                    bool biased) {
+  auto quantize = quantize_row_portable;
+#if WAFER_X86
+  if (isa == wafer::kAvx512Vnni) quantize = avx512::quantize_row;
+  if (isa == wafer::kAvx2Vnni || isa == wafer::kAvx2) quantize = quantize_row_avx2;
+#endif
+  for (int64_t i = 0; i < m; ++i) {
+    int8_t* row = xq + i * kp;
+    std::fill(row + k, row + kp, static_cast<int8_t>(0));
+    sx[i] = quantize(x + i * ldx, k, row);
+    if (!biased) continue;
+    for (int64_t j = 0; j < kp; ++j) row[j] = static_cast<int8_t>(static_cast<uint8_t>(row[j]) ^ 0x80);
+  }
+}
+
 // The same product through torch's float32 matmul, for many rows where that is faster (the caller
 // measures: `quantize.DynamicInt8Linear.sgemm_from_rows`): the panels widened to float32 [n, kp],
 // the quantized rows as floats, and each block of at most 1024 inputs multiplied separately, so
@@ -389,7 +412,7 @@ bool row_split(Isa isa, const int8_t* xq, int64_t kp, float sx, const int8_t* w,
   });
   // The cut panels, each finished from its parts' sum as the kernels finish a whole panel. A
   // panel's parts are consecutive: the ranges run in thread order.
-  const bool biased = isa == wafer::kAvx512Vnni || isa == wafer::kAvx2Vnni;  // q + 128 (see above)
+  const bool biased = unsigned_codes(isa);  // q + 128 (see above)
   for (size_t i = 0; i < parts.size();) {
     const int64_t p = parts[i].panel;
     if (p < 0) {
@@ -432,21 +455,12 @@ at::Tensor run_linear(const at::Tensor& x, const Weights& wt, int64_t sgemm_from
   const Isa fastest = wafer::pick(kLevels);
   const bool sgemm = sgemm_from_rows > 0 && m >= sgemm_from_rows;
   const Isa isa = sgemm ? wafer::kPortable : fastest;
-  std::vector<int8_t> xq(static_cast<size_t>(m * kp), 0);
+  std::vector<int8_t> xq(static_cast<size_t>(m * kp));
   std::vector<float> sx(static_cast<size_t>(m));
-  const float* xp = xc.data_ptr<float>();
-  auto quantize = quantize_row_portable;
-#if WAFER_X86
-  if (fastest == wafer::kAvx512Vnni) quantize = avx512::quantize_row;
-  if (fastest == wafer::kAvx2Vnni || fastest == wafer::kAvx2) quantize = quantize_row_avx2;
-#endif
-  for (int64_t i = 0; i < m; ++i) sx[i] = quantize(xp + i * k, k, xq.data() + i * kp);
+  // The float32 path takes the signed codes (`isa` is then portable).
+  quantize_codes(fastest, xc.data_ptr<float>(), k, m, k, xq.data(), kp, sx.data(), unsigned_codes(isa));
   if (sgemm) return sgemm_path(xq, sx, m, kp, wt.panels_data, panels, wt.scale, n);
   at::Tensor y = at::empty({m, n}, x.options());
-  // The VNNI instructions multiply unsigned by signed bytes: their activations go in as q + 128.
-  if (isa == wafer::kAvx512Vnni || isa == wafer::kAvx2Vnni) {
-    for (int8_t& v : xq) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80);
-  }
   const int8_t* wp = wt.panels_data;
   const float* ws = wt.scale;
   const int32_t* sp = wt.sum;
@@ -522,19 +536,7 @@ Linear packed_linear(const at::Tensor& packed, int64_t n, int64_t k) {
 Isa w8a8_isa() { return wafer::pick(kLevels); }
 
 void quantize_rows(Isa isa, const float* x, int64_t ldx, int64_t m, int64_t k, int8_t* xq, int64_t kp, float* sx) {
-  auto quantize = quantize_row_portable;
-#if WAFER_X86
-  if (isa == kAvx512Vnni) quantize = avx512::quantize_row;
-  if (isa == kAvx2Vnni || isa == kAvx2) quantize = quantize_row_avx2;
-#endif
-  for (int64_t i = 0; i < m; ++i) {
-    std::fill(xq + i * kp + k, xq + (i + 1) * kp, static_cast<int8_t>(0));
-    sx[i] = quantize(x + i * ldx, k, xq + i * kp);
-  }
-  // The VNNI instructions multiply unsigned by signed bytes: their activations go in as q + 128.
-  if (isa == kAvx512Vnni || isa == kAvx2Vnni) {
-    for (int64_t i = 0; i < m * kp; ++i) xq[i] = static_cast<int8_t>(static_cast<uint8_t>(xq[i]) ^ 0x80);
-  }
+  quantize_codes(isa, x, ldx, m, k, xq, kp, sx, unsigned_codes(isa));
 }
 
 void linear_columns(Isa isa, const int8_t* xq, int64_t kp, const float* sx, int64_t m, const Linear& w, int64_t c0,

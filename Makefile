@@ -46,11 +46,12 @@ bench: $(STAMP)
 	$(PY) bench/grammar.py
 	$(PY) bench/serve.py
 
-bench-decode: $(STAMP)  # SmolLM2: decode vs transformers, prefix reuse, spec_ngram, a float16 KV cache's accuracy, decode attention alone (~13 minutes)
+bench-decode: $(STAMP)  # SmolLM2: decode vs transformers, prefix reuse, spec_ngram, a float16 KV cache's accuracy, decode attention and float32 matmuls alone (~14 minutes)
 	$(PY) bench/decode.py
 	$(PY) bench/prefix_spec.py
 	$(PY) bench/kv_quality.py
 	$(PY) bench/attention.py
+	$(PY) bench/f32_matmul.py
 
 # The [portable] acceptance bars on this CPU, each with its verdict: bench/decode.py side by side
 # with llama.cpp and transformers, judged (bench/portable_check.py; ~8 minutes on 2 cores after the

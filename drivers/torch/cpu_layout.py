@@ -1,9 +1,10 @@
 """A load-time transform for float32 on the CPU: keep every projection's weight transposed
 ([in, out], contiguous) and multiply with `x @ w`. Measured on the 2-core dev machine at 8-32 rows,
 this takes the GEMM path that is about 2x faster than `F.linear`'s (same at 1 row); bf16 shows no
-such gap, so the transform is applied to float32 only. With the C++ kernels built, up to 4 rows
-(decode) go through `wafer::f32_linear_t` (`f32_matvec.cpp`), which streams these weights ~1.6x
-faster than torch's one-row product and ~2x faster at 2-4 rows; more rows keep `x @ w`."""
+such gap, so the transform is applied to float32 only. With the C++ kernels built, decode rows (up
+to `wafer::f32_linear_max_rows()`, 24) go through `wafer::f32_linear_t` (`f32_matvec.cpp`), which
+streams these weights ~2x faster than torch's product at one row and 2-3x at 2-8; more rows
+(prefill) keep `x @ w`."""
 
 from __future__ import annotations
 
@@ -11,9 +12,6 @@ import torch
 from torch import nn
 
 from drivers.torch.model import Transformer
-
-# Rows up to which `wafer::f32_linear_t` runs (f32_matvec.cpp's kMaxRows; it hands more to torch).
-KERNEL_MAX_ROWS = 4
 
 
 class TransposedLinear(nn.Module):
@@ -24,11 +22,13 @@ class TransposedLinear(nn.Module):
         self.register_buffer("weight_t", weight.detach().T.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.use_kernel = use_kernel
+        # Rows up to which the op runs (f32_matvec.cpp's kMaxRows; it hands more to torch).
+        self.kernel_rows = int(torch.ops.wafer.f32_linear_max_rows()) if use_kernel else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Eager only, checked first: the compiled graphs keep `x @ w` (a test of the row count
         # there would guard their dynamic row dimension and split them).
-        if self.use_kernel and not torch.compiler.is_compiling() and x.dim() == 2 and x.shape[0] <= KERNEL_MAX_ROWS:
+        if self.use_kernel and not torch.compiler.is_compiling() and x.dim() == 2 and x.shape[0] <= self.kernel_rows:
             y: torch.Tensor = torch.ops.wafer.f32_linear_t(x, self.weight_t)
         else:
             y = x @ self.weight_t

@@ -68,7 +68,7 @@ class DriverOptions:
     # w8a8 on the CPU: the C++ kernel of `cpu_kernels.py` where it builds; False keeps the torch
     # path (same results; for side-by-side measurements).
     w8a8_kernel: bool = True
-    # Dense float32 on the CPU: decode's matmuls (up to 4 rows) through the C++ op of
+    # Dense float32 on the CPU: decode's matmuls (up to 24 rows) through the C++ op of
     # `cpu_kernels.py` where it builds; False keeps torch's (for side-by-side measurements).
     f32_kernel: bool = True
     # Decode passes in float32 on the CPU: the C++ attention of `cpu_kernels.py` where it builds;

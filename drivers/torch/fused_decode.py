@@ -26,9 +26,11 @@ from drivers.torch.quantize import DynamicInt8Linear
 # The most tokens a w8a8 pass takes. Every thread norms, quantizes and applies SiLU to every row
 # itself (so that no thread waits for another to make them), work that grows with the rows while
 # the weights read stay the same. bench/decode.py, SmolLM2, a float16 KV cache, 2 threads (Zen 4),
-# against the compiled model: batch 1 1.13x (8 rounds interleaved), 8 1.06x, 32 0.81x. Float32
-# passes take at most 4 (`cpu_layout.KERNEL_MAX_ROWS`: its product's rows).
-MAX_ROWS = 8
+# against the compiled model: batch 1 1.13x (8 rounds interleaved), 8 1.06x, 32 0.81x. Dense
+# float32 passes take as many as its product does (`f32_matvec.cpp`'s kMaxRows, 24): the weights
+# read cost ~4x more a row there, so the per-row work weighs less (against the model's eager path
+# with the same product: batch 8 1.29x, 16 1.1-1.35x, 24 1.08x).
+W8A8_MAX_ROWS = 8
 
 
 def _packed(lin: object) -> bool:
@@ -110,7 +112,7 @@ class FusedDecode:
             cfg.scale,
         )
         self.passes = 0  # passes run (for tests and `health`)
-        self.max_rows = min(MAX_ROWS, int(self._step.max_rows()))
+        self.max_rows = W8A8_MAX_ROWS if _packed(model.output_head) else int(self._step.max_rows())
 
     def variant(self) -> str:
         """The kernels' variants a step runs now, e.g. "w8a8 avx512_vnni, attention avx512"."""

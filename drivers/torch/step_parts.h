@@ -51,16 +51,20 @@ void linear_columns(Isa isa, const int8_t* xq, int64_t kp, const float* sx, int6
 
 // ---------------------------------------------------------- float32 (f32_matvec.cpp)
 
-// The float32 decode product y = x @ w_t (weights [in, out]) of at most kF32MaxRows rows: the inputs
-// cut into kF32Parts parts (at most; never more than the inputs), the columns into tiles of
+// The float32 decode product y = x @ w_t (weights [in, out]) of at most `f32_max_rows` rows: the
+// inputs cut into kF32Parts parts (at most; never more than the inputs), the columns into tiles of
 // kF32Tile, each (part, tile) item writing its own partial sums, the parts then added in part order.
-constexpr int64_t kF32MaxRows = 4, kF32Parts = 4, kF32Tile = 4096;
+constexpr int64_t kF32MaxRows = 24, kF32Parts = 4, kF32Tile = 4096;
 
 // The variant the float32 product runs now (kAvx512, kAvx2 or kPortable).
 Isa f32_isa();
 
+// The most rows the product takes in variant `isa` (more are torch's matmul, faster there;
+// bench/f32_matmul.py): kF32MaxRows for the vector variants, 4 for the portable one.
+int64_t f32_max_rows(Isa isa);
+
 // One item: y[r * ld + c] for c in [c0, c1) = the sum over inputs i in [i0, i1) of x[r * in + i] *
-// w[i * ld + c], in input order, for rows r < m (1 <= m <= kF32MaxRows).
+// w[i * ld + c], in input order, for rows r < m (m >= 1; any count, fastest up to `f32_max_rows`).
 void f32_part(Isa isa, int64_t m, const float* x, int64_t in, const float* w, int64_t ld, float* y, int64_t i0,
               int64_t i1, int64_t c0, int64_t c1);
 

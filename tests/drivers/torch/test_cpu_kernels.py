@@ -619,26 +619,30 @@ def test_f32_linear_is_exact_to_float32_rounding_and_batch_and_thread_invariant(
     isa: dict[str, str], threads: Callable[[int], None], k: int, n: int
 ) -> None:
     # Against float64: within float32 rounding of a k-term sum. A row's bits are the same alone and
-    # beside 1-3 others, on 1-3 threads; the vector variants give the same bits; more than 4 rows
-    # are torch's matmul, bit for bit.
+    # beside others (1-8 rows: one group of registers; 13 and the most: groups of 8 and a smaller
+    # one), on 1-3 threads; the vector variants give the same bits; more than the variant's most
+    # rows (24; portable 4) are torch's matmul, bit for bit.
+    most = int(torch.ops.wafer.f32_linear_max_rows())
+    assert most == (4 if isa["f32_linear"] == "portable" else 24)
     g = torch.Generator().manual_seed(k * n)
-    w_t, x = torch.randn(k, n, generator=g), torch.randn(6, k, generator=g)
+    w_t, x = torch.randn(k, n, generator=g), torch.randn(most + 1, k, generator=g)
     x[2, : k // 2] *= 1000  # a row with a huge half
     exact = x.double() @ w_t.double()
     scale = x.double().abs() @ w_t.double().abs()
     op = torch.ops.wafer.f32_linear_t
-    for m in (1, 2, 3, 4):
-        for t in (1, 2, 3):
+    alone = [op(x[row : row + 1], w_t)[0] for row in range(most)]
+    for m in sorted({m for m in (1, 2, 3, 4, 5, 8, 13, most) if m <= most}):
+        for t in (1, 2, 3) if m <= 4 else (2,):
             threads(t)
             got = op(x[:m], w_t)
             assert got.shape == (m, n)
             assert ((got.double() - exact[:m]).abs() <= 1e-6 * (k + 8) * scale[:m]).all(), (isa["f32_linear"], m, t)
             for row in range(m):
-                assert torch.equal(op(x[row : row + 1], w_t)[0], got[row]), (isa["f32_linear"], m, t, row)
-    assert torch.equal(op(x, w_t), x @ w_t)  # 6 rows: torch's matmul
+                assert torch.equal(alone[row], got[row]), (isa["f32_linear"], m, t, row)
+    assert torch.equal(op(x, w_t), x @ w_t)  # one row more: torch's matmul
     if isa["f32_linear"] == "avx2" and "avx512" in cpu_kernels.cpu_isas():
         with cpu_kernels.limit_isa("avx512"):
-            assert torch.equal(op(x[:4], w_t), got)
+            assert torch.equal(op(x[:most], w_t), got)
 
 
 @needs_kernel
@@ -653,7 +657,7 @@ def test_f32_linear_refuses_what_it_cannot_multiply(kernel: None) -> None:
 
 @needs_kernel
 def test_float32_decode_runs_the_f32_kernel_with_torchs_logits(kernel: None, tmp_path: Path) -> None:
-    # Dense float32 on the CPU: decode rows (up to 4) through the op, prefill through torch; the
+    # Dense float32 on the CPU: decode rows (up to 24) through the op, prefill through torch; the
     # logits agree with the torch path's to float32 rounding; `f32_kernel=False` keeps torch's.
     # The model's path (decode passes otherwise run the fused step, test_fused_decode.py).
     ckpt = load_dir(write_tiny_llama(tmp_path / "m"))
@@ -680,7 +684,8 @@ def test_float32_decode_runs_the_f32_kernel_with_torchs_logits(kernel: None, tmp
         got = on.logits(decode)
         assert calls["n"] == 1 + 4 * ckpt.cfg.num_layers  # the head, then per layer qkv, o, gate/up, down
         calls["n"] = 0
-        on.logits(forward([request(toks, 0, range(8, 12), 16)]))  # 9 rows: torch's matmul
+        long = random_tokens(25, ckpt.cfg.vocab_size, 4)
+        on.logits(forward([request(long, 0, range(8, 12), 16)]))  # 25 rows: torch's matmul
         assert calls["n"] == 1  # but the head, for the one output row
     want = off.logits(decode)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)

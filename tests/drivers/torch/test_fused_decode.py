@@ -19,7 +19,7 @@ from bridge_schema.messages import Adapter, Hello
 from drivers.torch import cpu_kernels
 from drivers.torch.checkpoint import Checkpoint
 from drivers.torch.driver import DriverOptions, TorchDriver
-from drivers.torch.fused_decode import MAX_ROWS, unsupported
+from drivers.torch.fused_decode import W8A8_MAX_ROWS, unsupported
 from drivers.torch.quantize import DynamicInt8Linear
 from tests.drivers.torch.helpers import (
     forward,
@@ -130,7 +130,8 @@ def test_the_float32_step_tracks_the_model_path(smollm2: Checkpoint, isa: dict[s
     way: up to ~0.01 of logits ~30 apart)."""
     fused, plain = _drivers(smollm2, kv_dtype, weights="dense")
     assert fused.fused is not None and plain.fused is None
-    assert fused.fused.max_rows == 4 and fused.health()["decode_step"].startswith("fused (float32 ")
+    most = int(torch.ops.wafer.f32_linear_max_rows())  # its product's rows
+    assert fused.fused.max_rows == most and fused.health()["decode_step"].startswith("fused (float32 ")
     prompt = smollm2.tokenizer.encode("The capital of France is").ids
     expected, expected_logits = _decode(plain, prompt, 24)
     tokens, logits = _decode(fused, prompt, 24)
@@ -173,7 +174,8 @@ def test_a_row_does_not_depend_on_its_batch_or_the_threads(tmp_path: Path, weigh
 def test_only_decode_passes_without_adapters_take_it(tmp_path: Path, weights: str) -> None:
     ckpt = load_dir(write_tiny_llama(tmp_path / "m"))
     drv = next(_drivers(ckpt, num_pages=40, weights=weights))
-    assert drv.fused is not None and drv.fused.max_rows == (MAX_ROWS if weights == "w8a8" else 4)
+    f32_rows = int(torch.ops.wafer.f32_linear_max_rows())
+    assert drv.fused is not None and drv.fused.max_rows == (W8A8_MAX_ROWS if weights == "w8a8" else f32_rows)
     most = drv.fused.max_rows
     drv.forward(forward([request(random_tokens(6, 96, seed=1), 0, range(4), 16)]))  # a prefill
     drv.forward(forward([request([3, 4], 6, range(4), 16)]))  # two tokens of one request

@@ -31,15 +31,15 @@ namespace {
 
 // The variants, best first (cpu_features.h); portable: part_portable.
 constexpr wafer::Isa kLevels[] = {wafer::kAvx512, wafer::kAvx2};
-constexpr int64_t kTile = wafer::step::kF32Tile;    // output columns per tile: 16 KB a row of partial sums, in L1
+constexpr int64_t kTile = wafer::step::kF32Tile;    // output columns per tile
 constexpr int64_t kParts = wafer::step::kF32Parts;  // the inputs are cut into this many parts (not the thread count)
 constexpr int64_t kBlock = 8;  // weight rows an item's sums stay in registers over
 constexpr int64_t kChunkFloats = 8192;  // 32 KB: an item's partial sums are cut to fit L1
 
 // part_<variant>: y[r][c0:c1] = sum over i in [i0, i1) of x[r][i] * w[i][c0:c1] for rows r < m,
 // inputs in order; x rows are `in` long, w and y rows `ld`. Every variant takes kBlock weight rows
-// at a time and, for each run of columns, keeps the sums of those columns for a group of up to 8
-// rows in registers over the block: they are loaded from y and stored back once a block, not once
+// at a time and, for each run of columns, keeps the sums of those columns for a group of rows (8;
+// AVX2 4 past 2 rows) in registers over the block: they are loaded from y and stored back once a block, not once
 // a weight row (the one-weight-row loop this replaces was bound by those loads and stores at 4-8
 // rows: 11 and 5 GB/s against ~20 now), and the block's weights, in L1 after the first group, serve
 // every group. A row's sums run in input order whatever the groups.
@@ -165,19 +165,20 @@ __attribute__((target("avx2,fma"), always_inline)) inline void block_avx2(const 
     for (int j = 0; j < NC; ++j) _mm256_storeu_ps(y + r * ld + c + 8 * j, acc[r][j]);
 }
 
-// group_avx512 with 8 lanes.
-template <int NC, int R = 1>
+// group_avx512 with 8 lanes, for R = rows (1 <= rows <= G) rows.
+template <int NC, int G, int R = 1>
 __attribute__((target("avx2,fma"))) void group_avx2(int64_t rows, bool run, const float* x, int64_t in, const float* w,
                                                     int64_t ld, float* y, int64_t i, int64_t kk, bool first,
                                                     int64_t c) {
-  if constexpr (R < 8) {
-    if (rows != R) return group_avx2<NC, R + 1>(rows, run, x, in, w, ld, y, i, kk, first, c);
+  if constexpr (R < G) {
+    if (rows != R) return group_avx2<NC, G, R + 1>(rows, run, x, in, w, ld, y, i, kk, first, c);
   }
   if (run) return block_avx2<R, NC>(x, in, w, ld, y, i, kk, first, c);
   block_avx2<R, 1>(x, in, w, ld, y, i, kk, first, c);
 }
 
-// runs_avx512 with 8 lanes; the last columns (fewer than 8) one at a time, fused the same way.
+// runs_avx512 with 8 lanes and groups of G rows; the last columns (fewer than 8) one at a time,
+// fused the same way.
 template <int NC, int G>
 __attribute__((target("avx2,fma"))) void runs_avx2(int64_t m, const float* x, int64_t in, const float* w, int64_t ld,
                                                    float* y, int64_t i0, int64_t i1, int64_t c0, int64_t c1) {
@@ -188,7 +189,7 @@ __attribute__((target("avx2,fma"))) void runs_avx2(int64_t m, const float* x, in
     while (c + 8 <= c1) {
       const bool run = c + 8 * NC <= c1;
       for (int64_t r = 0; r < m; r += G) {
-        group_avx2<NC>(std::min<int64_t>(G, m - r), run, x + r * in, in, w, ld, y + r * ld, i, kk, first, c);
+        group_avx2<NC, G>(std::min<int64_t>(G, m - r), run, x + r * in, in, w, ld, y + r * ld, i, kk, first, c);
       }
       c += run ? 8 * NC : 8;
     }

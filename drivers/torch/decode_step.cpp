@@ -36,7 +36,6 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <memory>
 #include <vector>
 
 #include "cpu_features.h"
@@ -320,9 +319,7 @@ class DecodeStep {
     std::vector<float> qkv(m * qkv_n), q_rot(m * qn), attn(m * qn, 0.0f), o(m * hidden), gu(m * 2 * inter),
         down(m * hidden);
     const int64_t mo = std::max(m, in.num_rows);
-    // (not zeroed: every item writes its sums before they are read; 19 MB at 24 rows)
-    std::unique_ptr<float[]> partial(
-        new float[f32_ ? step::kF32Parts * mo * std::max({qkv_n, hidden, 2 * inter, vocab_}) : 0]);
+    std::vector<float> partial(f32_ ? step::kF32Parts * mo * std::max({qkv_n, hidden, 2 * inter, vocab_}) : 0);
     // Each thread's own: the residual stream, normed rows (or SiLU's), their int8 codes and scales.
     struct Own {
       std::vector<float> x, h, rot;
@@ -355,7 +352,7 @@ class DecodeStep {
         const int64_t items = parts * tiles, size = rows * w.n;
         for (int64_t item = items * t / nt; item < items * (t + 1) / nt; ++item) {
           const int64_t p = item / tiles, c0 = item % tiles * step::kF32Tile;
-          step::f32_part(mm, rows, src, k, w.f32, w.n, partial.get() + p * size, k * p / parts, k * (p + 1) / parts,
+          step::f32_part(mm, rows, src, k, w.f32, w.n, partial.data() + p * size, k * p / parts, k * (p + 1) / parts,
                          c0, std::min(w.n, c0 + step::kF32Tile));
         }
 #pragma omp barrier

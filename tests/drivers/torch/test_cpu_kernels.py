@@ -643,6 +643,7 @@ def test_f32_linear_is_exact_to_float32_rounding_and_batch_and_thread_invariant(
     if isa["f32_linear"] == "avx2" and "avx512" in cpu_kernels.cpu_isas():
         with cpu_kernels.limit_isa("avx512"):
             assert torch.equal(op(x[:most], w_t), got)
+            assert torch.equal(op(x[:1], w_t)[0], alone[0])  # one row (AVX2 in runs of 64 columns)
 
 
 @needs_kernel

@@ -2,9 +2,9 @@
 ([in, out], contiguous) and multiply with `x @ w`. Measured on the 2-core dev machine at 8-32 rows,
 this takes the GEMM path that is about 2x faster than `F.linear`'s (same at 1 row); bf16 shows no
 such gap, so the transform is applied to float32 only. With the C++ kernels built, decode rows (up
-to `wafer::f32_linear_max_rows()`, 24) go through `wafer::f32_linear_t` (`f32_matvec.cpp`), which
-streams these weights ~2x faster than torch's product at one row and 2-3x at 2-8; more rows
-(prefill) keep `x @ w`."""
+to `wafer::f32_linear_max_rows()`: 24, 4 in the portable variant) go through `wafer::f32_linear_t`
+(`f32_matvec.cpp`), which streams these weights 1.2-2x faster than torch's product at one row and
+1.2-3.6x at 2-24 (bench/f32_matmul.py); more rows (prefill) keep `x @ w`."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class TransposedLinear(nn.Module):
         self.register_buffer("weight_t", weight.detach().T.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.use_kernel = use_kernel
-        # Rows up to which the op runs (f32_matvec.cpp's kMaxRows; it hands more to torch).
+        # Rows up to which the op runs in the variant chosen at load (it hands more to torch).
         self.kernel_rows = int(torch.ops.wafer.f32_linear_max_rows()) if use_kernel else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

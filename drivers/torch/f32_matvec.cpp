@@ -1,7 +1,7 @@
 // wafer::f32_linear_t: y = x @ w_t for float32 weights kept [in, out] (`cpu_layout.py`) and a few
-// rows of x (decode). torch's float32 path (MKL) reads the weights of SmolLM2's step at ~15 GB/s on
-// a Zen 4 whose memory streams ~50 GB/s at one row, ~10 at two and ~5-7 at 4-24, so float32 decode
-// spent most of its step in matmuls; this reads them ~2x faster at one row and 1.3-3x at 2-24
+// rows of x (decode). torch's float32 path (MKL) reads the weights of SmolLM2's step at ~15 GB/s at
+// one row, ~10 at two and ~5-7 at 4-24 on a Zen 4 whose memory streams ~50 GB/s, so float32 decode
+// spent most of its step in matmuls; this reads them 1.2-2x faster at one row and 1.2-3.6x at 2-24
 // (bench/f32_matmul.py).
 //
 // The inputs are cut into parts (4, whatever the thread count) and the columns into tiles of 4,096;

@@ -79,8 +79,7 @@ def main() -> None:
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     results = []
     for isa in args.isa.split(","):
-        cap = cpu_kernels.limit_isa(isa) if isa != "best" else cpu_kernels.limit_isa(cpu_kernels.cpu_isas()[-1])
-        with cap as variants:
+        with cpu_kernels.limit_isa(cpu_kernels.cpu_isas()[-1] if isa == "best" else isa) as variants:
             most = int(torch.ops.wafer.f32_linear_max_rows())  # the variant's
             for rows in (int(r) for r in args.rows.split(",")):
                 log(f"{variants['f32_linear']}: {rows} rows, {args.rounds} rounds")

@@ -39,10 +39,11 @@ constexpr int64_t kChunkFloats = 8192;  // 32 KB: an item's partial sums are cut
 // part_<variant>: y[r][c0:c1] = sum over i in [i0, i1) of x[r][i] * w[i][c0:c1] for rows r < m,
 // inputs in order; x rows are `in` long, w and y rows `ld`. Every variant takes kBlock weight rows
 // at a time and, for each run of columns, keeps the sums of those columns for a group of rows (8;
-// AVX2 4 past 2 rows) in registers over the block: they are loaded from y and stored back once a block, not once
-// a weight row (the one-weight-row loop this replaces was bound by those loads and stores at 4-8
-// rows: 11 and 5 GB/s against ~20 now), and the block's weights, in L1 after the first group, serve
-// every group. A row's sums run in input order whatever the groups.
+// AVX-512 4 up to 4 rows, AVX2 4 past 2) in registers over the block: they are loaded from y and
+// stored back once a block, not once a weight row (the one-weight-row loop this replaces was bound
+// by those loads and stores at 4-8 rows: 11 and 5 GB/s against ~20 now), and the block's weights,
+// in L1 after the first group, serve every group. A row's sums run in input order whatever the
+// groups.
 
 // W columns (W a constant where it can be, for the compiler's vectors) for M rows over weight
 // rows [i, i + kk).
@@ -110,20 +111,21 @@ __attribute__((target("avx512f"), always_inline)) inline void block_avx512(const
     for (int j = 0; j < NC; ++j) _mm512_mask_storeu_ps(y + r * ld + c + 16 * j, j == NC - 1 ? mask : 0xFFFF, acc[r][j]);
 }
 
-// For R = rows (1 <= rows <= 8) rows: NC vectors of columns (`run`) or one masked vector.
-template <int NC, int R = 1>
+// For R = rows (1 <= rows <= G) rows: NC vectors of columns (`run`) or one masked vector.
+template <int NC, int G, int R = 1>
 __attribute__((target("avx512f"))) void group_avx512(int64_t rows, bool run, const float* x, int64_t in,
                                                      const float* w, int64_t ld, float* y, int64_t i, int64_t kk,
                                                      bool first, int64_t c, __mmask16 mask) {
-  if constexpr (R < 8) {
-    if (rows != R) return group_avx512<NC, R + 1>(rows, run, x, in, w, ld, y, i, kk, first, c, mask);
+  if constexpr (R < G) {
+    if (rows != R) return group_avx512<NC, G, R + 1>(rows, run, x, in, w, ld, y, i, kk, first, c, mask);
   }
   if (run) return block_avx512<R, NC>(x, in, w, ld, y, i, kk, first, c, 0xFFFF);
   block_avx512<R, 1>(x, in, w, ld, y, i, kk, first, c, mask);
 }
 
-// Columns [c0, c1) in runs of NC vectors, then single (masked) vectors, for the m rows.
-template <int NC>
+// Columns [c0, c1) in runs of NC vectors, then single (masked) vectors, for the m rows in groups
+// of G.
+template <int NC, int G>
 __attribute__((target("avx512f"))) void runs_avx512(int64_t m, const float* x, int64_t in, const float* w, int64_t ld,
                                                     float* y, int64_t i0, int64_t i1, int64_t c0, int64_t c1) {
   for (int64_t i = i0; i < i1; i += kBlock) {
@@ -131,8 +133,8 @@ __attribute__((target("avx512f"))) void runs_avx512(int64_t m, const float* x, i
     for (int64_t c = c0; c < c1;) {
       const bool run = c + 16 * NC <= c1;
       const __mmask16 mask = c + 16 <= c1 ? 0xFFFF : static_cast<__mmask16>((1u << (c1 - c)) - 1);
-      for (int64_t r = 0; r < m; r += 8) {
-        group_avx512<NC>(std::min<int64_t>(8, m - r), run, x + r * in, in, w, ld, y + r * ld, i, kk, i == i0, c, mask);
+      for (int64_t r = 0; r < m; r += G) {
+        group_avx512<NC, G>(std::min<int64_t>(G, m - r), run, x + r * in, in, w, ld, y + r * ld, i, kk, i == i0, c, mask);
       }
       c += run ? 16 * NC : 16;
     }
@@ -142,8 +144,8 @@ __attribute__((target("avx512f"))) void runs_avx512(int64_t m, const float* x, i
 void part_avx512(int64_t m, const float* x, int64_t in, const float* w, int64_t ld, float* y, int64_t i0, int64_t i1,
                  int64_t c0, int64_t c1) {
   // At most 16 sums in registers (of 32).
-  if (m <= 4) return runs_avx512<4>(m, x, in, w, ld, y, i0, i1, c0, c1);
-  runs_avx512<2>(m, x, in, w, ld, y, i0, i1, c0, c1);
+  if (m <= 4) return runs_avx512<4, 4>(m, x, in, w, ld, y, i0, i1, c0, c1);
+  runs_avx512<2, 8>(m, x, in, w, ld, y, i0, i1, c0, c1);
 }
 
 // NC vectors of 8 columns for M rows over weight rows [i, i + kk).

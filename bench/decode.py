@@ -9,14 +9,16 @@ Prints the CPU it ran on and which variant each C++ kernel runs.
                            [--peer llamacpp] [--json PATH]
 
 Each --dtype entry is
-DTYPE[+WEIGHTS][+compile][+torchmm][+torchf32][+torchattn][+unpacked][+unfused][+kv16][+graphs][+ISA]:
+DTYPE[+WEIGHTS][+compile][+torchmm][+torchf32][+torchattn][+unpacked][+unfused][+unsplit][+kv16][+graphs]
+[+ISA]:
 the activation dtype, the weight kind (int8, w8a8; dense when absent), whether the driver runs its
 compiled path, (torchmm) whether w8a8 keeps the torch matmul path instead of the C++ kernel,
 (torchf32) whether dense float32 decode keeps torch's matmuls instead of the C++ kernel,
 (torchattn) whether float32 decode keeps the torch attention path instead of the C++ kernel,
 (unpacked) whether int8 weights stay one tensor each instead of one buffer on huge pages,
 (unfused) whether w8a8 decode runs the model's own path (eager or compiled) instead of the fused
-C++ decode step,
+C++ decode step, (unsplit) whether the fused step's threads each do every row's norms, int8
+rounding and SiLU instead of sharing the rows out (from 4 rows on),
 (kv16) a float16 KV cache, (graphs) decode passes replayed from CUDA graphs (CUDA only), and
 (ISA: avx2, avx2_vnni, portable, ...) the C++ kernels capped at that instruction-set level (the
 AVX2 variants measured on an AVX-512 machine). transformers runs once per activation dtype and
@@ -175,7 +177,10 @@ def best_of(repeats: int, run: Callable[[], tuple[float, float]]) -> tuple[float
     return max(r[0] for r in results), max(r[1] for r in results)
 
 
-_FLAGS = ("compile", "torchmm", "torchf32", "torchattn", "unpacked", "unfused", "kv16", "graphs", *cpu_kernels.ISAS)
+_FLAGS = (
+    "compile", "torchmm", "torchf32", "torchattn", "unpacked", "unfused", "unsplit", "kv16", "graphs",
+    *cpu_kernels.ISAS,
+)
 
 
 def isa_of(spec: str) -> str:
@@ -207,49 +212,65 @@ def make_driver(ckpt: Checkpoint, spec: str, device: str, num_pages: int) -> Tor
     )
     drv = TorchDriver(ckpt, options)
     drv.handshake(Hello())
+    if "unsplit" in flags:
+        if drv.fused is None:
+            raise SystemExit(f"--dtype entry {spec!r}: +unsplit needs the fused decode step")
+        drv.fused.set_split_rows(1 << 62)  # every thread does every row's own work
     return drv
 
 
 def interleaved(args: argparse.Namespace, ckpt: Checkpoint) -> None:
-    """Batch-1 decode of every entry, alternated round by round in this process (each round:
-    both bandwidth probes, then each entry's prefill and decode); medians over the rounds."""
+    """Decode of every entry at each batch (`--batches`, batch 1 unless given), alternated round
+    by round in this process (each round: both bandwidth probes, then each batch's entries'
+    prefill and decode, the entries' order reversed every other round); medians over the rounds,
+    and each entry's median over the first entry's at the same batch."""
     specs = args.dtype.split(",")
-    pages = (args.prompt_len + args.new_tokens + 15) // 16
+    batches = [int(b) for b in (args.batches or "1").split(",")]
+    pages = (args.prompt_len + args.new_tokens + 15) // 16 * max(batches)
     drivers = {}
     rng = np.random.default_rng(0)
     for spec in specs:
         with capped(spec):
             drivers[spec] = make_driver(ckpt, spec, args.device, pages)
             bench_ours(drivers[spec], [rng.integers(0, 49152, 8).tolist()], 2)  # warm up
-    rates: dict[str, list[float]] = {spec: [] for spec in specs}
+    rates: dict[tuple[str, int], list[float]] = {(spec, b): [] for spec in specs for b in batches}
     probes: dict[str, list[float]] = {"normal": [], "huge": []}
     load_start = os.getloadavg()
     for r in range(args.interleave):
         probes["normal"].append(read_bandwidth_gbs(args.device, repeats=1))
         probes["huge"].append(read_bandwidth_gbs(args.device, repeats=1, huge_pages=True))
-        prompt = [rng.integers(0, 49152, args.prompt_len).tolist()]
-        order = specs if r % 2 == 0 else specs[::-1]
-        for spec in order:
-            with capped(spec):
-                rates[spec].append(bench_ours(drivers[spec], prompt, args.new_tokens)[1])
+        for b in batches:
+            prompts = [rng.integers(0, 49152, args.prompt_len).tolist() for _ in range(b)]
+            order = specs if r % 2 == 0 else specs[::-1]
+            for spec in order:
+                with capped(spec):
+                    rates[spec, b].append(bench_ours(drivers[spec], prompts, args.new_tokens)[1])
+        print(f"round {r + 1}/{args.interleave} done", file=sys.stderr, flush=True)
     load_end = os.getloadavg()
     probe = {k: float(np.median(v)) for k, v in probes.items()}
     print(f"load average {load_start} at the start, {load_end} at the end")
     print(f"median probes: {probe['normal']:.1f} GB/s (4 KiB pages), {probe['huge']:.1f} GB/s (huge pages)")
-    print("| entry (batch 1) | decode tok/s median | min | max | bound | % of bound | bound (huge-page probe) | % |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| entry | batch | decode tok/s median | min | max | vs first entry | bound | % of bound "
+        "| bound (huge-page probe) | % |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     rows = []
-    for spec in specs:
-        nbytes = weight_bytes(drivers[spec])
-        bound, bound_huge = probe["normal"] * 1e9 / nbytes, probe["huge"] * 1e9 / nbytes
-        med = float(np.median(rates[spec]))
-        rows.append(
-            {"dtype": spec, "decode_tok_s": rates[spec], "median": med, "bound": bound, "bound_huge": bound_huge}
-        )
-        print(
-            f"| {spec} | {med:.1f} | {min(rates[spec]):.1f} | {max(rates[spec]):.1f} | {bound:.1f} | "
-            f"{med / bound:.0%} | {bound_huge:.1f} | {med / bound_huge:.0%} |"
-        )
+    for b in batches:
+        first = float(np.median(rates[specs[0], b]))
+        for spec in specs:
+            nbytes = weight_bytes(drivers[spec])
+            bound, bound_huge = b * probe["normal"] * 1e9 / nbytes, b * probe["huge"] * 1e9 / nbytes
+            got = rates[spec, b]
+            med = float(np.median(got))
+            rows.append(
+                {"dtype": spec, "batch": b, "decode_tok_s": got, "median": med, "vs_first": med / first,
+                 "bound": bound, "bound_huge": bound_huge}
+            )
+            print(
+                f"| {spec} | {b} | {med:.1f} | {min(got):.1f} | {max(got):.1f} | {med / first:.2f}x | {bound:.1f} | "
+                f"{med / bound:.0%} | {bound_huge:.1f} | {med / bound_huge:.0%} |"
+            )
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"threads": torch.get_num_threads(), "rounds": args.interleave, "load_average": [load_start, load_end]}
@@ -345,14 +366,17 @@ def main() -> None:
         default="float32,float32+w8a8+compile,bfloat16+int8",
         help="DTYPE[+int8|+w8a8][+compile][+torchmm][+unpacked], comma-separated",
     )
-    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--batches", default=None, help="comma-separated; default 1,8,32 (with --interleave: 1)")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2, help="best of N runs per measurement")
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--peer", choices=["", "llamacpp"], default="", help="llamacpp: llama.cpp side by side")
     parser.add_argument(
-        "--interleave", type=int, default=0, help="N rounds of batch-1 decode alternating the entries (no transformers)"
+        "--interleave",
+        type=int,
+        default=0,
+        help="N rounds of decode (batch 1 unless --batches) alternating the entries (no transformers)",
     )
     parser.add_argument("--json", default="bench/results/decode.json")
     args = parser.parse_args()
@@ -374,7 +398,7 @@ def main() -> None:
     bandwidth = read_bandwidth_gbs(args.device)
     print(f"measured read bandwidth: {bandwidth:.1f} GB/s", flush=True)
     rng = np.random.default_rng(0)
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = [int(b) for b in (args.batches or "1,8,32").split(",")]
     prompts = {b: [rng.integers(0, 49152, args.prompt_len).tolist() for _ in range(b)] for b in batches}
     hf: dict[tuple[str, int], tuple[float, float]] = {}  # (activation dtype, batch) -> rates
     twins: dict[str, torch.nn.Module] = {}

@@ -8,18 +8,24 @@
 // residuals) on one thread while the other waits.
 //
 // A layer, per thread t of T:
-//   norm + quantize (every thread its own copy: the residual stream, the normed rows and their
-//     int8 codes are private, computed by the same code from the same inputs, so the copies are
-//     equal and no thread waits for another to make them)
+//   norm + quantize (the rows' own work, see below)                  | barrier when shared out
 //   q/k/v columns (the thread's share, in 16-column units; float32: | barrier
 //     its share of the op's items, a barrier, its share of the sums)
 //   RoPE of q and k, K/V into the cache (KV heads t, t + T, ...)     | barrier
 //   attention (worker t's tasks of the pass's schedule)              | barrier
-//   quantize the attention rows, o columns                           | barrier
-//   residual, norm, quantize, gate/up columns                        | barrier
-//   SiLU(gate) * up, quantize, down columns                          | barrier
+//   quantize the attention rows                                      | barrier when shared out
+//   o columns                                                        | barrier
+//   residual, norm, quantize                                         | barrier when shared out
+//   gate/up columns                                                  | barrier
+//   SiLU(gate) * up, quantize                                        | barrier when shared out
+//   down columns                                                     | barrier
 //   residual
 // then the final norm and the output head's columns for the chosen rows.
+// The rows' own work (the residual stream, norms, SiLU, int8 codes): with fewer than kSplitRows
+// rows every thread does all of it into its own copy (computed by the same code from the same
+// inputs, so the copies are equal and no thread waits for another to make them); from kSplitRows
+// rows on there is one copy and each thread does its share of the rows, a barrier before a
+// product reads them (the work grows with the rows, the weights read do not).
 //
 // Every output of a matmul is summed as its op sums it (w8a8: exact integers, by one thread;
 // float32: the op's parts, added in part order), and everything else is computed the same way for
@@ -130,6 +136,17 @@ void rope(const float* x, const float* cos, const float* sin, int64_t d, float* 
     out[j] = a + b;
   }
 }
+
+// A barrier of the enclosing parallel region where `on` (the same on every thread).
+void barrier_if(bool on) {
+  if (on) {
+#pragma omp barrier
+  }
+}
+
+// From this many rows on a step shares the rows' own work (norms, quantization, SiLU, residuals)
+// out between its threads instead of every thread doing all of it.
+constexpr int64_t kSplitRows = 4;
 
 // Columns [c0, c1) of an n-output matmul that thread t of T computes: an even share of n's
 // 16-column units (the kernels' vectors).
@@ -291,6 +308,12 @@ class DecodeStep {
            wafer::kIsaNames[step::attention_isa()];
   }
 
+  // From how many rows on the threads share out the rows' own work (`run`); for the tests.
+  void set_split_rows(int64_t rows) {
+    TORCH_CHECK(rows >= 1, "split_rows: at least 1, got ", rows);
+    split_rows_ = rows;
+  }
+
   // The most tokens a pass may have: the float32 product's rows (any for w8a8).
   int64_t max_rows() const {
     return f32_ ? step::f32_max_rows(step::f32_isa()) : std::numeric_limits<int64_t>::max();
@@ -320,32 +343,45 @@ class DecodeStep {
         down(m * hidden);
     const int64_t mo = std::max(m, in.num_rows);
     std::vector<float> partial(f32_ ? step::kF32Parts * mo * std::max({qkv_n, hidden, 2 * inter, vocab_}) : 0);
-    // Each thread's own: the residual stream, normed rows (or SiLU's), their int8 codes and scales.
-    struct Own {
-      std::vector<float> x, h, rot;
-      std::vector<int8_t> xq;
-      std::vector<float> sx;
-    };
-    std::vector<Own> own(threads);
+    // The rows' own work: the residual stream, normed rows (or SiLU's), their int8 codes and
+    // scales. Few rows: each thread does all of it into its own copy (equal copies: the same code
+    // on the same inputs), no thread waiting for another. From `split_rows_` rows on: one shared
+    // copy, each thread its share of the rows, a barrier before a product reads them.
+    const bool split = threads > 1 && m >= split_rows_;
+    std::vector<Rows> own(split ? 1 : threads);
+    if (split) own[0].size(m, mo, hidden, inter, kp);
+    std::vector<std::vector<float>> rotated(threads);
 #pragma omp parallel num_threads(threads)
     {
       const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-      Own& my = own[t];
-      my.x.assign(in.x, in.x + m * hidden);
-      my.h.resize(mo * std::max(hidden, inter));
-      my.xq.resize(mo * kp);
-      my.sx.resize(mo);
-      my.rot.resize(d);
-      // y = the rows of `src` (k inputs each) times `w`, the thread's share of it. w8a8: the rows'
-      // int8 codes (each thread its own), then its columns. float32: the op's items (a part of
-      // the inputs times a tile of the columns) shared out, a barrier, then the parts' partial
-      // sums added in part order, each thread its share of the outputs (f32_matvec.cpp's bits).
-      auto columns = [&](const Projection& w, int64_t rows, const float* src, int64_t k, float* y) {
+      Rows& my = own[split ? 0 : t];
+      if (!split) my.size(m, mo, hidden, inter, kp);
+      // The rows of `count` this thread works on: all of them, or its share.
+      auto mine = [&](int64_t count) -> std::pair<int64_t, int64_t> {
+        return split ? std::pair<int64_t, int64_t>{count * t / nt, count * (t + 1) / nt} : std::pair<int64_t, int64_t>{0, count};
+      };
+      const auto [r0, r1] = mine(m);
+      std::copy(in.x + r0 * hidden, in.x + r1 * hidden, my.x.begin() + r0 * hidden);
+      std::vector<float>& rot = rotated[t];
+      rot.resize(d);
+      // Rows [a, b) of `src` (k inputs each) made ready for a product: w8a8 quantizes them into
+      // the int8 codes and scales (float32 reads `src` itself); then, when the rows are shared
+      // out, a barrier.
+      auto ready = [&](const float* src, int64_t k, int64_t a, int64_t b) {
         if (!f32_) {
           const int64_t wk = step::quantized_width(k);
-          step::quantize_rows(mm, src, k, rows, k, my.xq.data(), wk, my.sx.data());
+          step::quantize_rows(mm, src + a * k, k, b - a, k, my.xq.data() + a * wk, wk, my.sx.data() + a);
+        }
+        barrier_if(split);
+      };
+      // y = the rows of `src` (k inputs each, `ready`) times `w`, the thread's share of it. w8a8:
+      // its columns from the rows' int8 codes. float32: the op's items (a part of the inputs
+      // times a tile of the columns) shared out, a barrier, then the parts' partial sums added in
+      // part order, each thread its share of the outputs (f32_matvec.cpp's bits).
+      auto product = [&](const Projection& w, int64_t rows, const float* src, int64_t k, float* y) {
+        if (!f32_) {
           const auto [c0, c1] = share(w.n, t, nt);
-          if (c0 < c1) step::linear_columns(mm, my.xq.data(), wk, my.sx.data(), rows, w.q8, c0, c1, y, w.n);
+          if (c0 < c1) step::linear_columns(mm, my.xq.data(), step::quantized_width(k), my.sx.data(), rows, w.q8, c0, c1, y, w.n);
           return;
         }
         const int64_t parts = std::min(step::kF32Parts, k), tiles = (w.n + step::kF32Tile - 1) / step::kF32Tile;
@@ -362,10 +398,14 @@ class DecodeStep {
           y[j] = acc;
         }
       };
+      const int64_t own_rows = r1 - r0;
+      float* const x = my.x.data();
+      float* const hr = my.h.data();
       for (int64_t l = 0; l < layers_; ++l) {
         const Projection* lin = &linears_[4 * l];
-        rms_norm_rows(my.x.data(), m, hidden, norms_[2 * l].data_ptr<float>(), eps_, my.h.data());
-        columns(lin[0], m, my.h.data(), hidden, qkv.data());
+        rms_norm_rows(x + r0 * hidden, own_rows, hidden, norms_[2 * l].data_ptr<float>(), eps_, hr + r0 * hidden);
+        ready(hr, hidden, r0, r1);
+        product(lin[0], m, hr, hidden, qkv.data());
 #pragma omp barrier
         T* kl = kc + l * layer_elems;
         T* vl = vc + l * layer_elems;
@@ -374,13 +414,12 @@ class DecodeStep {
             const float* row = qkv.data() + r * qkv_n;
             const float *cs = in.cos + r * d, *sn = in.sin + r * d;
             for (int64_t i = g * groups; i < (g + 1) * groups; ++i) rope(row + i * d, cs, sn, d, q_rot.data() + r * qn + i * d);
-            float* kr = my.rot.data();
-            rope(row + qn + g * d, cs, sn, d, kr);
+            rope(row + qn + g * d, cs, sn, d, rot.data());
             const float* vr = row + qn + hkv * d + g * d;
             T* kdst = kl + (in.slots[r] * hkv + g) * d;
             T* vdst = vl + (in.slots[r] * hkv + g) * d;
             for (int64_t j = 0; j < d; ++j) {
-              kdst[j] = static_cast<T>(kr[j]);
+              kdst[j] = static_cast<T>(rot[j]);
               vdst[j] = static_cast<T>(vr[j]);
             }
           }
@@ -389,28 +428,47 @@ class DecodeStep {
 #pragma omp barrier
         for (int64_t w = t; w < schedule_.workers; w += nt) step::attend_share(schedule_, w, q_rot.data(), kl, vl, attn.data(), scale_, vec);
 #pragma omp barrier
-        columns(lin[1], m, attn.data(), qn, o.data());
+        if (!f32_) ready(attn.data(), qn, r0, r1);  // (float32 reads the rows as they are)
+        product(lin[1], m, attn.data(), qn, o.data());
 #pragma omp barrier
-        for (int64_t j = 0; j < m * hidden; ++j) my.x[j] += o[j];
-        rms_norm_rows(my.x.data(), m, hidden, norms_[2 * l + 1].data_ptr<float>(), eps_, my.h.data());
-        columns(lin[2], m, my.h.data(), hidden, gu.data());
+        for (int64_t j = r0 * hidden; j < r1 * hidden; ++j) x[j] += o[j];
+        rms_norm_rows(x + r0 * hidden, own_rows, hidden, norms_[2 * l + 1].data_ptr<float>(), eps_, hr + r0 * hidden);
+        ready(hr, hidden, r0, r1);
+        product(lin[2], m, hr, hidden, gu.data());
 #pragma omp barrier
-        for (int64_t r = 0; r < m; ++r) {
+        for (int64_t r = r0; r < r1; ++r) {
           const float* row = gu.data() + r * 2 * inter;
-          silu_mul(vec, row, row + inter, inter, my.h.data() + r * inter);
+          silu_mul(vec, row, row + inter, inter, hr + r * inter);
         }
-        columns(lin[3], m, my.h.data(), inter, down.data());
+        ready(hr, inter, r0, r1);
+        product(lin[3], m, hr, inter, down.data());
 #pragma omp barrier
-        for (int64_t j = 0; j < m * hidden; ++j) my.x[j] += down[j];
+        for (int64_t j = r0 * hidden; j < r1 * hidden; ++j) x[j] += down[j];
       }
-      for (int64_t i = 0; i < in.num_rows; ++i) {
-        const float* xi = my.x.data() + in.rows[i] * hidden;
-        std::copy(xi, xi + hidden, my.h.data() + i * hidden);
+      barrier_if(split);  // the chosen rows' residuals, from whichever thread made them
+      const auto [o0, o1] = mine(in.num_rows);
+      for (int64_t i = o0; i < o1; ++i) {
+        const float* xi = x + in.rows[i] * hidden;
+        std::copy(xi, xi + hidden, hr + i * hidden);
       }
-      rms_norm_rows(my.h.data(), in.num_rows, hidden, norms_.back().data_ptr<float>(), eps_, my.h.data());
-      if (in.num_rows > 0) columns(linears_.back(), in.num_rows, my.h.data(), hidden, in.logits);
+      rms_norm_rows(hr + o0 * hidden, o1 - o0, hidden, norms_.back().data_ptr<float>(), eps_, hr + o0 * hidden);
+      ready(hr, hidden, o0, o1);
+      if (in.num_rows > 0) product(linears_.back(), in.num_rows, hr, hidden, in.logits);
     }
   }
+
+  // The rows' own work's buffers (`run`).
+  struct Rows {
+    std::vector<float> x, h, sx;
+    std::vector<int8_t> xq;
+
+    void size(int64_t m, int64_t mo, int64_t hidden, int64_t inter, int64_t kp) {
+      x.resize(m * hidden);
+      h.resize(mo * std::max(hidden, inter));
+      xq.resize(mo * kp);
+      sx.resize(mo);
+    }
+  };
 
   at::Tensor embed_, inv_freq_;
   std::vector<at::Tensor> weights_, norms_;
@@ -420,6 +478,7 @@ class DecodeStep {
   int64_t layers_ = 0, hidden_ = 0, inter_ = 0, vocab_ = 0;
   std::vector<Projection> linears_;
   bool f32_ = false;  // float32 weights (else w8a8)
+  int64_t split_rows_ = kSplitRows;
   step::AttentionSchedule schedule_;
 };
 
@@ -451,7 +510,8 @@ void register_decode_step(py::module_& m) {
                     at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, double>())
       .def("step", &DecodeStep::step, py::call_guard<py::gil_scoped_release>())
       .def("variant", &DecodeStep::variant)
-      .def("max_rows", &DecodeStep::max_rows);
+      .def("max_rows", &DecodeStep::max_rows)
+      .def("set_split_rows", &DecodeStep::set_split_rows);
   m.def("w8a8_columns", &w8a8_columns);
 }
 

@@ -23,14 +23,14 @@ from drivers.torch.model import Transformer
 from drivers.torch.paged_attention import PagedAttention
 from drivers.torch.quantize import DynamicInt8Linear
 
-# The most tokens a w8a8 pass takes. Every thread norms, quantizes and applies SiLU to every row
-# itself (so that no thread waits for another to make them), work that grows with the rows while
-# the weights read stay the same. bench/decode.py, SmolLM2, a float16 KV cache, 2 threads (Zen 4),
-# against the compiled model: batch 1 1.13x (8 rounds interleaved), 8 1.06x, 32 0.81x. Dense
-# float32 passes take as many as its product does (`f32_matvec.cpp`'s kMaxRows, 24): the weights
-# read cost ~4x more a row there, so the per-row work weighs less (against the model's eager path
-# with the same product: batch 8 1.29x, 16 1.1-1.35x, 24 1.08x).
-W8A8_MAX_ROWS = 8
+# The most tokens a w8a8 pass takes: as many as were measured. From 4 rows on the step shares the
+# rows' own work (norms, int8 rounding, SiLU, residuals) out between its threads (before, every
+# thread did all of it, work that grows with the rows while the weights read do not, and batch 32
+# gained only 1.05x). bench/decode.py --interleave (SmolLM2, a float16 KV cache, 2 threads, Zen 4),
+# against the compiled model, two runs of 3 rounds (medians): batch 4 1.18-1.30x, 8 1.27-1.40x,
+# 16 1.23-1.29x, 32 1.21-1.23x, 48 1.22x, 64-128 1.07-1.24x. Dense float32 passes take as many as
+# its product does (`f32_matvec.cpp`'s kMaxRows, 24).
+W8A8_MAX_ROWS = 128
 
 
 def _packed(lin: object) -> bool:
@@ -117,6 +117,12 @@ class FusedDecode:
     def variant(self) -> str:
         """The kernels' variants a step runs now, e.g. "w8a8 avx512_vnni, attention avx512"."""
         return str(self._step.variant())
+
+    def set_split_rows(self, rows: int) -> None:
+        """From how many rows on the threads share out the rows' own work (norms, int8 rounding,
+        SiLU, residuals; 4 by default; below it every thread does every row's): for tests and
+        benches, the same bits either way."""
+        self._step.set_split_rows(rows)
 
     def takes(self, plan: PassPlan) -> bool:
         """Whether `plan` is a decode pass (one token for each request) of at most `max_rows` tokens."""

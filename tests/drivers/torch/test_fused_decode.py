@@ -147,7 +147,8 @@ def test_the_float32_step_tracks_the_model_path(smollm2: Checkpoint, isa: dict[s
 @pytest.mark.parametrize("weights", ["w8a8", "dense"])
 def test_a_row_does_not_depend_on_its_batch_or_the_threads(tmp_path: Path, weights: str) -> None:
     # Every row of a pass as large as the step takes (w8a8 8; float32 10 of its 24: a group of 8
-    # rows and one of 2 in its product) alone, then 3 rows on 1-3 threads.
+    # rows and one of 2 in its product) alone, then the pass, 3 rows and 2 on 1-3 threads, with
+    # the rows' own work done by every thread or shared out between them.
     ckpt = load_dir(write_tiny_llama(tmp_path / "m"))
     drv = next(_drivers(ckpt, num_pages=40, weights=weights))
     assert drv.fused is not None
@@ -157,8 +158,14 @@ def test_a_row_does_not_depend_on_its_batch_or_the_threads(tmp_path: Path, weigh
     for i, p in enumerate(prompts):
         drv.logits(forward([request(p, 0, range(4 * i, 4 * i + 4), ps, context_id=i)]))
 
-    def step(which: list[int]) -> torch.Tensor:
-        specs = [request([5 + i], len(prompts[i]), range(4 * i, 4 * i + 4), ps, context_id=i) for i in which]
+    def step(which: list[int], wanted: set[int] | None = None) -> torch.Tensor:
+        # the logits of `wanted`'s rows only (others no output), or all
+        specs = [
+            request([5 + i], len(prompts[i]), range(4 * i, 4 * i + 4), ps, context_id=i)
+            if wanted is None or i in wanted
+            else request([5 + i], len(prompts[i]), range(4 * i, 4 * i + 4), ps, context_id=i, outputs=[])
+            for i in which
+        ]
         return drv.logits(forward(specs))
 
     everyone = list(range(len(prompts)))
@@ -168,9 +175,18 @@ def test_a_row_does_not_depend_on_its_batch_or_the_threads(tmp_path: Path, weigh
         assert torch.equal(step([i])[0], batched[i]), i
     threads = torch.get_num_threads()
     try:
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            assert torch.equal(step([0, 1, 2]), batched[:3]), n
+        # the rows' own work done by every thread (split from 1000 rows on) or shared out (from 1)
+        last = [len(everyone) - 2, len(everyone) - 1]
+        for split in (1000, 1, 2):
+            drv.fused.set_split_rows(split)
+            assert torch.equal(step(everyone), batched), split
+            # output rows made by another thread's share of the rows
+            assert torch.equal(step(everyone, wanted=set(last)), batched[last]), split
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                assert torch.equal(step([0, 1, 2]), batched[:3]), (split, n)
+                assert torch.equal(step(last), batched[last]), (split, n)
+            torch.set_num_threads(threads)
     finally:
         torch.set_num_threads(threads)
 
@@ -178,7 +194,7 @@ def test_a_row_does_not_depend_on_its_batch_or_the_threads(tmp_path: Path, weigh
 @pytest.mark.parametrize("weights", ["w8a8", "dense"])
 def test_only_decode_passes_without_adapters_take_it(tmp_path: Path, weights: str) -> None:
     ckpt = load_dir(write_tiny_llama(tmp_path / "m"))
-    drv = next(_drivers(ckpt, num_pages=40, weights=weights))
+    drv = next(_drivers(ckpt, num_pages=W8A8_MAX_ROWS + 8, weights=weights))
     f32_rows = int(torch.ops.wafer.f32_linear_max_rows())
     assert drv.fused is not None and drv.fused.max_rows == (W8A8_MAX_ROWS if weights == "w8a8" else f32_rows)
     most = drv.fused.max_rows

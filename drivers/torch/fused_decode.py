@@ -29,8 +29,18 @@ from drivers.torch.quantize import DynamicInt8Linear
 # gained only 1.05x). bench/decode.py --interleave (SmolLM2, a float16 KV cache, 2 threads, Zen 4),
 # against the compiled model, two runs of 3 rounds (medians): batch 4 1.18-1.30x, 8 1.27-1.40x,
 # 16 1.23-1.29x, 32 1.21-1.23x, 48 1.22x, 64-128 1.07-1.24x. Dense float32 passes take as many as
-# its product does (`f32_matvec.cpp`'s kMaxRows, 24).
+# its product does (`f32_matvec.cpp`'s kMaxRows, 24). Under the AVX2 cap 1.07-1.12x at 8-128 rows.
+# The portable variant stops below the rows from which the model's path runs torch's float32
+# matmul instead of the integer kernel (`quantize.choose_matmuls`): with the kernels capped at it
+# here, 128 rows decoded 83 tok/s fused against 190 that way (8-32 rows: the same kernel, equal).
 W8A8_MAX_ROWS = 128
+
+
+def w8a8_max_rows(linears: list[DynamicInt8Linear]) -> int:
+    """The most tokens a w8a8 pass over `linears` takes in the kernels' variant now."""
+    if cpu_kernels.variants()["w8a8"] != "portable":
+        return W8A8_MAX_ROWS
+    return min([W8A8_MAX_ROWS, *(lin.sgemm_from_rows - 1 for lin in linears if lin.sgemm_from_rows > 0)])
 
 
 def _packed(lin: object) -> bool:
@@ -112,7 +122,8 @@ class FusedDecode:
             cfg.scale,
         )
         self.passes = 0  # passes run (for tests and `health`)
-        self.max_rows = W8A8_MAX_ROWS if _packed(model.output_head) else int(self._step.max_rows())
+        packed = [lin for lin in linears if isinstance(lin, DynamicInt8Linear)]
+        self.max_rows = w8a8_max_rows(packed) if packed else int(self._step.max_rows())
 
     def variant(self) -> str:
         """The kernels' variants a step runs now, e.g. "w8a8 avx512_vnni, attention avx512"."""

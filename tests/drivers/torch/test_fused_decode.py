@@ -19,7 +19,7 @@ from bridge_schema.messages import Adapter, Hello
 from drivers.torch import cpu_kernels
 from drivers.torch.checkpoint import Checkpoint
 from drivers.torch.driver import DriverOptions, TorchDriver
-from drivers.torch.fused_decode import W8A8_MAX_ROWS, unsupported
+from drivers.torch.fused_decode import W8A8_MAX_ROWS, unsupported, w8a8_max_rows
 from drivers.torch.quantize import DynamicInt8Linear
 from tests.drivers.torch.helpers import (
     forward,
@@ -196,7 +196,8 @@ def test_only_decode_passes_without_adapters_take_it(tmp_path: Path, weights: st
     ckpt = load_dir(write_tiny_llama(tmp_path / "m"))
     drv = next(_drivers(ckpt, num_pages=W8A8_MAX_ROWS + 8, weights=weights))
     f32_rows = int(torch.ops.wafer.f32_linear_max_rows())
-    assert drv.fused is not None and drv.fused.max_rows == (W8A8_MAX_ROWS if weights == "w8a8" else f32_rows)
+    packed = [m for m in drv.model.modules() if isinstance(m, DynamicInt8Linear)]
+    assert drv.fused is not None and drv.fused.max_rows == (w8a8_max_rows(packed) if packed else f32_rows)
     most = drv.fused.max_rows
     drv.forward(forward([request(random_tokens(6, 96, seed=1), 0, range(4), 16)]))  # a prefill
     drv.forward(forward([request([3, 4], 6, range(4), 16)]))  # two tokens of one request
@@ -215,6 +216,28 @@ def test_only_decode_passes_without_adapters_take_it(tmp_path: Path, weights: st
     drv.forward(forward([request([3], 9, range(4), 16)]))
     assert drv.fused.passes == 3
     assert drv.health()["decode_step"].startswith("fused")
+
+
+def test_the_portable_w8a8_step_stops_where_the_model_path_turns_to_float32(tmp_path: Path) -> None:
+    # The portable variant's rows stop below the first row count from which the model's path
+    # multiplies some linear in float32 (faster there than the portable integer loop); the
+    # vector variants take W8A8_MAX_ROWS whatever those counts.
+    ckpt = load_dir(write_tiny_llama(tmp_path / "m"))
+    drv = next(_drivers(ckpt, num_pages=8))
+    linears = [m for m in drv.model.modules() if isinstance(m, DynamicInt8Linear)]
+    assert len(linears) == 4 * ckpt.cfg.num_layers + 1
+    for lin in linears:
+        lin.sgemm_from_rows = 0
+    linears[1].sgemm_from_rows, linears[-1].sgemm_from_rows = 256, 64
+    with cpu_kernels.limit_isa("portable"):
+        assert w8a8_max_rows(linears) == 63
+        linears[-1].sgemm_from_rows = 0
+        assert w8a8_max_rows(linears) == W8A8_MAX_ROWS  # 255 rows: more than measured
+        linears[1].sgemm_from_rows = 9
+        assert w8a8_max_rows(linears) == 8
+    if "avx2" in cpu_kernels.cpu_isas():
+        with cpu_kernels.limit_isa("avx2"):
+            assert w8a8_max_rows(linears) == W8A8_MAX_ROWS
 
 
 def test_models_it_does_not_take_keep_their_path(tmp_path: Path) -> None:

@@ -358,7 +358,8 @@ class DecodeStep {
       if (!split) my.size(m, mo, hidden, inter, kp);
       // The rows of `count` this thread works on: all of them, or its share.
       auto mine = [&](int64_t count) -> std::pair<int64_t, int64_t> {
-        return split ? std::pair<int64_t, int64_t>{count * t / nt, count * (t + 1) / nt} : std::pair<int64_t, int64_t>{0, count};
+        if (!split) return {0, count};
+        return {count * t / nt, count * (t + 1) / nt};
       };
       const auto [r0, r1] = mine(m);
       std::copy(in.x + r0 * hidden, in.x + r1 * hidden, my.x.begin() + r0 * hidden);
@@ -381,7 +382,8 @@ class DecodeStep {
       auto product = [&](const Projection& w, int64_t rows, const float* src, int64_t k, float* y) {
         if (!f32_) {
           const auto [c0, c1] = share(w.n, t, nt);
-          if (c0 < c1) step::linear_columns(mm, my.xq.data(), step::quantized_width(k), my.sx.data(), rows, w.q8, c0, c1, y, w.n);
+          const int64_t wk = step::quantized_width(k);
+          if (c0 < c1) step::linear_columns(mm, my.xq.data(), wk, my.sx.data(), rows, w.q8, c0, c1, y, w.n);
           return;
         }
         const int64_t parts = std::min(step::kF32Parts, k), tiles = (w.n + step::kF32Tile - 1) / step::kF32Tile;

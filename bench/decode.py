@@ -239,9 +239,9 @@ def interleaved(args: argparse.Namespace, ckpt: Checkpoint) -> None:
     for r in range(args.interleave):
         probes["normal"].append(read_bandwidth_gbs(args.device, repeats=1))
         probes["huge"].append(read_bandwidth_gbs(args.device, repeats=1, huge_pages=True))
+        order = specs if r % 2 == 0 else specs[::-1]
         for b in batches:
             prompts = [rng.integers(0, 49152, args.prompt_len).tolist() for _ in range(b)]
-            order = specs if r % 2 == 0 else specs[::-1]
             for spec in order:
                 with capped(spec):
                     rates[spec, b].append(bench_ours(drivers[spec], prompts, args.new_tokens)[1])

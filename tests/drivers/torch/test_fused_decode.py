@@ -146,8 +146,8 @@ def test_the_float32_step_tracks_the_model_path(smollm2: Checkpoint, isa: dict[s
 
 @pytest.mark.parametrize("weights", ["w8a8", "dense"])
 def test_a_row_does_not_depend_on_its_batch_or_the_threads(tmp_path: Path, weights: str) -> None:
-    # Every row of a pass as large as the step takes (w8a8 8; float32 10 of its 24: a group of 8
-    # rows and one of 2 in its product) alone, then the pass, 3 rows and 2 on 1-3 threads, with
+    # Every row of a 10-row pass (of the step's 128 w8a8 rows or 24 float32: in float32's product
+    # a group of 8 rows and one of 2) alone, then the pass, 3 rows and 2 on 1-3 threads, with
     # the rows' own work done by every thread or shared out between them.
     ckpt = load_dir(write_tiny_llama(tmp_path / "m"))
     drv = next(_drivers(ckpt, num_pages=40, weights=weights))
@@ -161,9 +161,10 @@ def test_a_row_does_not_depend_on_its_batch_or_the_threads(tmp_path: Path, weigh
     def step(which: list[int], wanted: set[int] | None = None) -> torch.Tensor:
         # the logits of `wanted`'s rows only (others no output), or all
         specs = [
-            request([5 + i], len(prompts[i]), range(4 * i, 4 * i + 4), ps, context_id=i)
-            if wanted is None or i in wanted
-            else request([5 + i], len(prompts[i]), range(4 * i, 4 * i + 4), ps, context_id=i, outputs=[])
+            request(
+                [5 + i], len(prompts[i]), range(4 * i, 4 * i + 4), ps, context_id=i,
+                outputs=None if wanted is None or i in wanted else [],
+            )
             for i in which
         ]
         return drv.logits(forward(specs))

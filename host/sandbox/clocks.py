@@ -12,8 +12,9 @@ import time
 import wasmtime
 from wasmtime.component import LinkerInstance
 
-# The version the guests import (componentize-py 0.25); wasmtime matches later 0.2 imports too.
-INTERFACE = "wasi:clocks/monotonic-clock@0.2.9"
+# Registered at every WASI version a component may import (`imports.WASI_VERSIONS`): wasmtime's
+# linker would match any other 0.2 version to its own clock, whose waits block.
+INTERFACE = "wasi:clocks/monotonic-clock"
 _RESOLUTION_NS = max(1, int(time.get_clock_info("monotonic").resolution * 1e9))
 REFUSAL = (
     "inferlets cannot sleep or wait on a clock (time.sleep, select or poll with a timeout): such a wait "

@@ -24,6 +24,7 @@ from wasmtime.component import Component
 from host.app_bundle import AppSources, BundleError, split_sources
 from host.sandbox.compile_worker import CompileFailed, compile_in_child
 from host.sandbox.errors import ComponentLoadError
+from host.sandbox.imports import check_imports
 from host.sandbox.wasm_engine import ENGINE_FLAGS, WASMTIME_VERSION
 
 _log = logging.getLogger("wafer.sandbox")
@@ -149,6 +150,15 @@ class CompileCache:
         return self._dir / f"{cache_key(hashlib.sha256(component_bytes).hexdigest())}.cwasm"
 
     def _load_uncached(
+        self, key: str, wasm_path: Path, component_bytes: bytes, progress: Callable[[str], None] | None
+    ) -> tuple[Component, int]:
+        """The component compiled (or read from disk), once its imports are known to be wafer's:
+        a component that could reach an unvetted import never runs, nor stays loaded."""
+        component, size = self._compiled(key, wasm_path, component_bytes, progress)
+        check_imports(component, self._engine, str(wasm_path.name))
+        return component, size
+
+    def _compiled(
         self, key: str, wasm_path: Path, component_bytes: bytes, progress: Callable[[str], None] | None
     ) -> tuple[Component, int]:
         compiled = self._dir / f"{key}.cwasm"

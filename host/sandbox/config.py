@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MIB = 1024 * 1024
+# What one table slot (a function reference) takes in wasmtime, measured: 6 tables of 50 M slots
+# took 2,347 MiB.
+TABLE_ELEMENT_BYTES = 8
 
 
 def default_cache_dir() -> Path:
@@ -20,7 +23,12 @@ class SandboxConfig:
     """Per-run limits. `inactivity_timeout_s` bounds guest time between two host calls (the epoch
     watchdog); `wall_budget_s` bounds the whole run, host calls included; `max_output_bytes`
     bounds what the run emits and sends (UTF-8 bytes, together), `max_inbound_bytes` the client
-    messages waiting for it: the host keeps both, outside the guest's memory cap."""
+    messages waiting for it: the host keeps both, outside the guest's memory cap.
+
+    `memory_limit_bytes` is the run's whole budget for wasm state: its one linear memory gets
+    what its tables may not take (`max_tables` x `max_table_elements` slots of
+    TABLE_ELEMENT_BYTES). wasmtime caps each memory, not a Store, so a run gets one memory:
+    a component with eight of them took eight times the cap."""
 
     cache_dir: Path
     memory_limit_bytes: int = 256 * MIB
@@ -29,6 +37,11 @@ class SandboxConfig:
     epoch_tick_s: float = 0.01
     max_output_bytes: int = 64 * MIB
     max_inbound_bytes: int = 16 * MIB
+    # componentize-py's guests use 1 memory, 2 tables of about 5,700 slots and 14 core instances.
+    max_memories: int = 1
+    max_tables: int = 4
+    max_table_elements: int = 1 << 17
+    max_instances: int = 32
     # The sandbox's, not a run's: compiled components kept loaded in memory (least recently used
     # dropped past it; `compile_cache.CompileCache`).
     max_loaded_component_bytes: int = 1024 * MIB
@@ -44,6 +57,24 @@ class SandboxConfig:
             raise ValueError("timeouts and the epoch tick must be positive")
         if self.max_output_bytes <= 0 or self.max_inbound_bytes <= 0:
             raise ValueError("max_output_bytes and max_inbound_bytes must be positive")
+        if min(self.max_memories, self.max_tables, self.max_table_elements, self.max_instances) < 1:
+            raise ValueError("max_memories, max_tables, max_table_elements and max_instances must be at least 1")
+        if self.memory_limit_bytes - self.table_bytes < 16 * MIB:
+            raise ValueError(
+                f"memory_limit_bytes leaves under 16 MiB of linear memory once the tables' "
+                f"{self.table_bytes // MIB} MiB are set aside"
+            )
+
+    @property
+    def table_bytes(self) -> int:
+        """The most a run's tables may take, set aside from its memory budget."""
+        return self.max_tables * self.max_table_elements * TABLE_ELEMENT_BYTES
+
+    @property
+    def linear_memory_bytes(self) -> int:
+        """The cap on each of a run's linear memories: the budget less its tables' share, split
+        between the memories it may have."""
+        return (self.memory_limit_bytes - self.table_bytes) // self.max_memories
 
     @property
     def compiled_dir(self) -> Path:

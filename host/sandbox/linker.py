@@ -15,13 +15,15 @@ def new_linker(engine: wasmtime.Engine) -> Linker:
     # `host.api` is imported first.
     from host.api import adapter, context, grammar, inference, interface_name, model, runtime
     from host.sandbox import clocks
+    from host.sandbox.imports import WASI_VERSIONS
 
     linker = Linker(engine)
     linker.add_wasip2()
     linker.allow_shadowing = True  # our monotonic clock replaces WASI's (clocks.py)
     with linker.root() as root:
-        with root.add_instance(clocks.INTERFACE) as instance:
-            clocks.register(instance)
+        for version in WASI_VERSIONS:
+            with root.add_instance(f"{clocks.INTERFACE}@{version}") as instance:
+                clocks.register(instance)
         for module in (runtime, model, context, adapter, grammar, inference):
             with root.add_instance(interface_name(module.INTERFACE)) as instance:
                 module.register(instance)

@@ -12,6 +12,7 @@ from wasmtime.component import Component, Linker
 
 from host.errors import HostError
 from host.sandbox import watchdog
+from host.sandbox.config import MIB, SandboxConfig
 from host.sandbox.guest_output import GuestStream
 from host.sandbox.outcome import RunOutcome, RunStatus
 from host.sandbox.resources import ResourceKind
@@ -92,7 +93,14 @@ class Run:
 
     def _new_store(self) -> wasmtime.Store:
         store = wasmtime.Store(self._engine)
-        store.set_limits(memory_size=self.state.config.memory_limit_bytes)
+        config = self.state.config
+        store.set_limits(
+            memory_size=config.linear_memory_bytes,
+            memories=config.max_memories,
+            tables=config.max_tables,
+            table_elements=config.max_table_elements,
+            instances=config.max_instances,
+        )
         wasi = wasmtime.WasiConfig()  # no preopens, no env, no args; sockets are denied
         wasi.stdout_file = self._stdout.open_pipe()  # pipes, not callbacks: see guest_output.py
         wasi.stderr_file = self._stderr.open_pipe()
@@ -111,7 +119,13 @@ class Run:
         state.store = store
         state.rearm_watchdog()
         try:
-            instance = self._linker.instantiate(store, self._component)
+            try:
+                instance = self._linker.instantiate(store, self._component)
+            except wasmtime.WasmtimeError as exc:
+                exc.__traceback__ = None
+                if "limit" in str(exc):
+                    return RunStatus.LIMIT_EXCEEDED, _instance_limit_message(str(exc), state.config)
+                raise
             run_fn = instance.get_func(store, EXPORT_NAME)
             if run_fn is None:
                 return RunStatus.TRAPPED, f"the component exports no `{EXPORT_NAME}` function"
@@ -164,6 +178,16 @@ class Run:
         if leaked:
             _log.info("[run %d] freed %d resources the guest left behind", state.run_id, len(leaked))
         return len(leaked)
+
+
+def _instance_limit_message(cause: str, config: SandboxConfig) -> str:
+    """What a run may have, for a component that asks for more at instantiation."""
+    return (
+        f"the component needs more than a run may have ({_trap_headline(cause)}): a run gets "
+        f"{config.max_memories} linear memory of up to {config.linear_memory_bytes // MIB} MiB "
+        f"(run_memory_mib), {config.max_tables} tables of up to {config.max_table_elements} slots "
+        f"and {config.max_instances} core instances"
+    )
 
 
 def _trap_headline(message: str) -> str:

@@ -4,7 +4,8 @@
     ├── InvalidRequest          a call's arguments are wrong (bad token id, length, row, position)
     ├── ContextError            a context handle cannot be used
     │   ├── ContextNotFound     no live context has this id (never created, or released)
-    │   └── ContextNotOwned     the context belongs to another run
+    │   ├── ContextNotOwned     the context belongs to another run
+    │   └── ContextLimitExceeded the run holds as many contexts as a run may
     ├── OutOfPages              the KV page pool cannot hold what was asked; nothing was allocated
     │   └── PageQuotaExceeded   the run would hold more pages than its quota; nothing was allocated
     ├── DriverFailed            the driver answered a pass with an error, or the link to it broke
@@ -41,6 +42,15 @@ class ContextNotOwned(ContextError):
         super().__init__(f"context {context_id} does not belong to run {run_id}")
         self.context_id = context_id
         self.run_id = run_id
+
+
+class ContextLimitExceeded(ContextError):
+    def __init__(self, run_id: int, limit: int) -> None:
+        super().__init__(
+            f"run {run_id} holds {limit} contexts, the most a run may (run_max_contexts): release contexts "
+            "before creating or forking more"
+        )
+        self.run_id, self.limit = run_id, limit
 
 
 class OutOfPages(HostError):
@@ -84,10 +94,11 @@ class EngineClosed(HostError):
 class PageQuotaExceeded(OutOfPages):
     """A pass would take its run past the run's share of the page pool."""
 
-    def __init__(self, holder: str, held: int, needed: int, quota: int, setting: str) -> None:
+    def __init__(self, holder: str, held: int, needed: int, quota: int, setting: str, limit: str = "") -> None:
+        limit = limit or f"the quota of {quota} (the daemon's {setting} of the pool)"
         HostError.__init__(
             self,
             f"{holder} hold{'s' if holder.startswith('run ') else ''} {held} KV pages and this pass needs {needed} "
-            f"more, past the quota of {quota} (the daemon's {setting} of the pool): release or truncate contexts first",
+            f"more, past {limit}: release or truncate contexts first",
         )
         self.held, self.needed, self.quota = held, needed, quota

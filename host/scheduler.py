@@ -2,7 +2,9 @@
 
 Pure: no sockets, threads or clock. It knows the driver's limits and each pass's pages, never
 the page table, the bridge transport or the runs. Large fills go out in chunks (chunked prefill),
-chunks of one context in order; a context with a chunk in flight waits until it returns.
+chunks of one context in order; a context with a chunk in flight waits until it returns. Runs
+take turns: a pass is filled one request per run at a time, so a run with thousands of contexts
+queued takes the room the others leave, not their places.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from itertools import zip_longest
 
 from bridge_schema.batch import OutputResult, OutputSpec, RequestSpec, logit_mask_words
 from host.attention_masks import drop_unattended_pages
@@ -93,6 +96,7 @@ class Scheduler:
         self._queue: dict[int, Pass] = {}  # by ticket; insertion order is arrival order
         self._in_flight: dict[int, Batch] = {}
         self._busy_contexts: Counter[int] = Counter()  # context -> chunks in flight
+        self._queued_contexts: Counter[int] = Counter()  # context -> its passes in the queue
         self._next_batch_id = 1
 
     # ------------------------------------------------------------------ queue
@@ -100,6 +104,7 @@ class Scheduler:
     def submit(self, item: Pass) -> None:
         assert item.ticket not in self._queue, "tickets are unique"
         self._queue[item.ticket] = item
+        self._queued_contexts[item.context_id] += 1
 
     @property
     def num_waiting(self) -> int:
@@ -111,7 +116,7 @@ class Scheduler:
 
     def has_pending(self, context_id: int) -> bool:
         """True while a pass of this context waits or is in flight."""
-        return any(item.context_id == context_id for item in self._queue.values())
+        return self._queued_contexts[context_id] > 0
 
     def has_work(self) -> bool:
         """True when `next_batch` would return a batch."""
@@ -123,7 +128,7 @@ class Scheduler:
         dropped = [item for item in self._queue.values() if predicate(item)]
         for item in dropped:
             item.is_cancelled = True
-            del self._queue[item.ticket]
+            self._dequeue(item)
         return dropped
 
     # ------------------------------------------------------------------ batching
@@ -143,6 +148,7 @@ class Scheduler:
                 heads.append(item)
         if not heads:
             return None
+        heads = _runs_in_turn(heads)
         # While a pass is in flight, the next goes only to follow a deferred (pre-fired) step
         # (or to retry a refused batch one request at a time):
         # the driver runs passes in order, so sending early gains only the host's build and
@@ -212,7 +218,7 @@ class Scheduler:
             item.num_done = chunk.stop
             item.is_isolated = False
             if chunk.is_last:
-                del self._queue[item.ticket]
+                self._dequeue(item)
                 finished.append(item)
         return finished
 
@@ -234,11 +240,18 @@ class Scheduler:
             if item.is_cancelled:
                 continue
             item.is_cancelled = True
-            self._queue.pop(item.ticket, None)
+            if item.ticket in self._queue:
+                self._dequeue(item)
             failed.append(item)
         return failed
 
     # ------------------------------------------------------------------ internals
+
+    def _dequeue(self, item: Pass) -> None:
+        del self._queue[item.ticket]
+        self._queued_contexts[item.context_id] -= 1
+        if not self._queued_contexts[item.context_id]:
+            del self._queued_contexts[item.context_id]
 
     def _retire(self, batch: Batch) -> None:
         assert self._in_flight.pop(batch.batch_id, None) is batch, f"batch {batch.batch_id} is not in flight"
@@ -305,6 +318,17 @@ class Scheduler:
             steps=item.steps,
         )
         return Chunk(item, start, stop, spec)
+
+
+def _runs_in_turn(heads: list[Pass]) -> list[Pass]:
+    """`heads` (in arrival order) reordered so that runs take turns: each run's oldest, then each
+    run's second oldest, and so on, runs in the order of their oldest pass."""
+    by_run: dict[int, list[Pass]] = {}
+    for item in heads:
+        by_run.setdefault(item.run_id, []).append(item)
+    if len(by_run) < 2:
+        return heads
+    return [item for turn in zip_longest(*by_run.values()) for item in turn if item is not None]
 
 
 @dataclass(slots=True)

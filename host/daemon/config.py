@@ -58,6 +58,9 @@ class DaemonConfig:
     component_compile_mib: int = 2048  # the memory one inferlet's compile may take (in a child process)
     run_max_pages_fraction: float = 0.5  # of the KV page pool, the most one run's contexts may hold
     key_max_pages_fraction: float = 0.75  # the most the runs of one API key may hold together
+    # The pool's last pages, which only a key holding fewer may take: shares may overlap.
+    key_reserve_pages_fraction: float = 0.1
+    run_max_contexts: int = 1024  # contexts one run may hold at once, forks included
     # OpenAI's rule for response_format json_object: the messages must say "json" (off: vLLM,
     # SGLang and llama.cpp accept such requests, and clients written for them send them).
     json_object_requires_json_word: bool = False
@@ -280,7 +283,8 @@ def _check(c: DaemonConfig) -> None:
         "multi_step_budget_ms": 0,
         "prefix_match_unit": 0,
         "max_concurrent_runs": 1,
-        "run_memory_mib": 16,  # componentize-py's interpreter alone needs about 12 MiB
+        "run_max_contexts": 1,
+        "run_memory_mib": 20,  # the interpreter needs about 12 MiB, the tables take 4 (SandboxConfig)
         "run_max_output_mib": 1,
         "run_max_inbound_mib": 1,
         "max_loaded_adapters": 1,
@@ -302,6 +306,8 @@ def _check(c: DaemonConfig) -> None:
     for key in ("run_max_pages_fraction", "key_max_pages_fraction"):
         if not 0 < getattr(c, key) <= 1:
             raise DaemonConfigError(key, f"must be in (0, 1], got {getattr(c, key)}")
+    if not 0 <= c.key_reserve_pages_fraction < 1:
+        raise DaemonConfigError("key_reserve_pages_fraction", f"must be in [0, 1), got {c.key_reserve_pages_fraction}")
     for key in ("run_timeout_s", "run_watchdog_s", "driver_startup_timeout_s"):
         if getattr(c, key) <= 0:
             raise DaemonConfigError(key, f"must be positive, got {getattr(c, key)}")

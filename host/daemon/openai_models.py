@@ -11,6 +11,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
 MAX_N = 128
+# One completions request is one run: its prompts and their choices are its contexts. A list of
+# 20,000 prompts held every tenant back for the whole run budget.
+MAX_PROMPTS = 128
+MAX_CHOICES = 256  # prompts x n
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5

@@ -17,6 +17,8 @@ from jsonschema.exceptions import SchemaError
 
 from host.daemon.errors import BadRequest, NotFound
 from host.daemon.openai_models import (
+    MAX_CHOICES,
+    MAX_PROMPTS,
     ChatCompletionRequest,
     CompletionRequest,
     JsonObjectFormat,
@@ -112,10 +114,22 @@ def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Toke
     n = req.n or 1
     if req.best_of is not None and req.best_of != n:
         raise BadRequest("best_of other than n is not supported", param="best_of", code="unsupported_parameter")
+    raw_prompts = _prompt_list(req.prompt)
+    if len(raw_prompts) > MAX_PROMPTS:
+        raise BadRequest(
+            f"{len(raw_prompts)} prompts, past the {MAX_PROMPTS} one request may have: send fewer prompts per request",
+            param="prompt",
+        )
+    if len(raw_prompts) * n > MAX_CHOICES:
+        raise BadRequest(
+            f"{len(raw_prompts)} prompts with n={n} ask for {len(raw_prompts) * n} choices, past the "
+            f"{MAX_CHOICES} one request may have: send fewer prompts per request",
+            param="n" if n > 1 else "prompt",
+        )
     prompts: list[dict[str, Any]] = []
     counts: list[int] = []
     echo: list[str] = []
-    for raw in _prompt_list(req.prompt):
+    for raw in raw_prompts:
         if isinstance(raw, str):
             tokens = tokenizer.encode(raw)
             prompts.append({"tokens": tokens})  # tokenized once, here

@@ -173,6 +173,8 @@ class Supervisor:
                     max_loaded_adapters=self._config.max_loaded_adapters,
                     max_run_page_fraction=self._config.run_max_pages_fraction,
                     max_group_page_fraction=self._config.key_max_pages_fraction,
+                    group_reserve_page_fraction=self._config.key_reserve_pages_fraction,
+                    max_run_contexts=self._config.run_max_contexts,
                     startup_timeout_s=self._config.driver_startup_timeout_s,
                     grammar_budget=GrammarBudget(
                         self._config.grammar_compile_budget_s,

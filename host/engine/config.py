@@ -39,7 +39,9 @@ class EngineConfig:
     `adapter_dir`: where adapter names are resolved (on the driver's machine; "" turns adapters
     off), at most `max_loaded_adapters` loaded at once.
     `max_run_page_fraction`: the most of the page pool one run's contexts may hold;
-    `max_group_page_fraction`: the most the runs of one group (`set_run_group`) may hold.
+    `max_group_page_fraction`: the most the runs of one group (`set_run_group`) may hold;
+    `group_reserve_page_fraction`: the pool's last pages, which only a group holding fewer may take.
+    `max_run_contexts`: the most contexts one run may hold at once, forks included (0: no limit).
     `max_fill_chunk_tokens`: the largest chunk of a long fill in one pass (0: the driver's
     preference from its handshake, e.g. 512 for the torch driver on the CPU; else as the pass allows).
     `max_decode_steps`: the most steps of a multi-step request (host-side generation runs that
@@ -65,6 +67,8 @@ class EngineConfig:
     max_loaded_adapters: int = 64
     max_run_page_fraction: float = 1.0
     max_group_page_fraction: float = 1.0
+    group_reserve_page_fraction: float = 0.0
+    max_run_contexts: int = 4096
     max_fill_chunk_tokens: int = 0
     max_decode_steps: int = 16
     multi_step_budget_ms: float = MULTI_STEP_BUDGET_MS
@@ -74,7 +78,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "driver_args", tuple(self.driver_args))
         self.driver_spec().kind  # noqa: B018 - validates the driver name
-        PageQuota(0, self.max_run_page_fraction, self.max_group_page_fraction)  # validates the shares
+        self.page_quota(0)  # validates the shares
+        if self.max_run_contexts < 0:
+            raise InvalidRequest(f"max_run_contexts must be >= 0, got {self.max_run_contexts}")
         if not 0 <= self.multi_step_budget_ms < float("inf"):
             raise InvalidRequest(f"multi_step_budget_ms must be >= 0 (milliseconds), got {self.multi_step_budget_ms}")
         if self.page_size:  # judged now against the size asked for, and again after the
@@ -88,6 +94,11 @@ class EngineConfig:
     def decode_steps_cap(self) -> int:
         """`max_decode_steps` within what the bridge allows (at least 1)."""
         return max(1, min(self.max_decode_steps, MAX_DECODE_STEPS))
+
+    def page_quota(self, num_pages: int) -> PageQuota:
+        return PageQuota(
+            num_pages, self.max_run_page_fraction, self.max_group_page_fraction, self.group_reserve_page_fraction
+        )
 
     def hello(self) -> Hello:
         return Hello(

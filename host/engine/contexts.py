@@ -9,9 +9,10 @@ Pure, like the other cores: the engine core calls it with the engine's lock held
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Callable
 
-from host.errors import ContextNotFound, ContextNotOwned, InvalidRequest
+from host.errors import ContextLimitExceeded, ContextNotFound, ContextNotOwned, InvalidRequest
 from host.page_quota import PageQuota
 from host.pages import PageCopy, PageTable
 from host.passes import Pass
@@ -26,7 +27,9 @@ class Contexts:
         prefix: PrefixReuse | NoPrefixReuse,
         scheduler: Scheduler,
         quota: PageQuota,
+        max_per_run: int = 0,
     ) -> None:
+        """`max_per_run`: the most contexts one run may hold at once, forks included (0: no limit)."""
         self.pages = pages
         self.prefix = prefix
         self._listeners: list[Callable[[int], None]] = []  # told a context's state changed
@@ -34,6 +37,8 @@ class Contexts:
         self._quota = quota
         self._ids = itertools.count(1)
         self._owner: dict[int, int] = {}  # context -> run
+        self._num_of_run: Counter[int] = Counter()  # run -> contexts it holds
+        self._max_per_run = max_per_run
         self._copies: list[PageCopy] = []  # to send before the next pass
 
     # ------------------------------------------------------------------ ownership
@@ -66,14 +71,16 @@ class Contexts:
     # ------------------------------------------------------------------ lifecycle
 
     def create(self, run_id: int) -> int:
+        self._check_count(run_id)
         context_id = next(self._ids)
         self.pages.create(context_id)
         self.prefix.on_create(context_id)
-        self._owner[context_id] = run_id
+        self._own(context_id, run_id)
         return context_id
 
     def fork(self, run_id: int, context_id: int) -> int:
         self.check_owner(run_id, context_id)
+        self._check_count(run_id)
         self.invalidate(context_id)
         self.check_idle(context_id, "fork")
         # A fork shares its parent's pages; it is charged them all (its own from the first
@@ -83,7 +90,7 @@ class Contexts:
         # The partial page's Copy goes out before the next pass (the loop sends copies first).
         self._copies += self.pages.fork(context_id, child)
         self.prefix.on_fork(context_id, child)
-        self._owner[child] = run_id
+        self._own(child, run_id)
         return child
 
     def truncate(self, context_id: int, length: int) -> None:
@@ -110,7 +117,18 @@ class Contexts:
         self.invalidate(context_id)
         self.pages.release(context_id)
         self.prefix.on_release(context_id)
-        del self._owner[context_id]
+        run_id = self._owner.pop(context_id)
+        self._num_of_run[run_id] -= 1
+        if not self._num_of_run[run_id]:
+            del self._num_of_run[run_id]
+
+    def _own(self, context_id: int, run_id: int) -> None:
+        self._owner[context_id] = run_id
+        self._num_of_run[run_id] += 1
+
+    def _check_count(self, run_id: int) -> None:
+        if self._max_per_run and self._num_of_run[run_id] >= self._max_per_run:
+            raise ContextLimitExceeded(run_id, self._max_per_run)
 
     # ------------------------------------------------------------------ growth
 
@@ -145,7 +163,7 @@ class Contexts:
         held: dict[int, int] = {}
         for c, r in self._owner.items():
             held[r] = held.get(r, 0) + len(self.pages.held(c))
-        self._quota.check(run_id, needed, held)
+        self._quota.check(run_id, needed, held, self.pages.num_available)
 
     def set_group(self, run_id: int, group: str) -> None:
         self._quota.set_group(run_id, group)

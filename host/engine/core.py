@@ -27,7 +27,6 @@ from bridge_schema.messages import MULTI_STEP, Handshake
 from host.engine.config import EngineConfig
 from host.engine.contexts import Contexts
 from host.errors import DriverFailed, EngineClosed, HostError, InvalidRequest, RunEnded
-from host.page_quota import PageQuota
 from host.pages import PageCopy, PageTable
 from host.pass_check import check_holes_masked, check_request
 from host.passes import Pass
@@ -57,7 +56,7 @@ class EngineCore:
         config.check_resolved(h.page_size)
         self.handshake = h
         self.tokenizer: Tokenizer = tokenizer_from_handshake(h)
-        quota = PageQuota(h.num_pages, config.max_run_page_fraction, config.max_group_page_fraction)
+        quota = config.page_quota(h.num_pages)
         self.model = ModelInfo(
             name=h.model_name,
             vocab_size=h.vocab_size,
@@ -80,7 +79,7 @@ class EngineCore:
         self._scheduler = Scheduler(limits, h.page_size)
         self._tickets = itertools.count(1)
         prefix = PrefixReuse(pages, cache) if cache is not None else NoPrefixReuse()
-        self.contexts = Contexts(pages, prefix, self._scheduler, quota)
+        self.contexts = Contexts(pages, prefix, self._scheduler, quota, config.max_run_contexts)
         self.pages = pages
         self._waiters: dict[int, Waiter] = {}  # ticket -> who gets the pass's result
         self._ready: list[tuple[Continuation, PassResult]] = []  # generations to continue

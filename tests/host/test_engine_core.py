@@ -13,7 +13,7 @@ from bridge_schema.messages import DEFERRED_TOKENS, Handshake
 from host.engine import EngineConfig
 from host.engine.core import EngineCore
 from host.engine.speculation import build_core
-from host.errors import DriverFailed, EngineClosed, InvalidRequest
+from host.errors import ContextLimitExceeded, DriverFailed, EngineClosed, InvalidRequest, PageQuotaExceeded
 from host.scheduler import Batch
 from host.services import PassRequest, PassResult
 
@@ -194,3 +194,35 @@ def test_with_speculation_off_nothing_is_pre_fired() -> None:
 
 def _future() -> concurrent.futures.Future[PassResult]:
     return concurrent.futures.Future()
+
+
+def test_a_run_holds_at_most_max_run_contexts_forks_included() -> None:
+    c = core(max_run_contexts=3)  # type: ignore[arg-type]
+    first = c.create_context(RUN)
+    c.fork_context(RUN, first)
+    c.create_context(RUN)
+    with pytest.raises(ContextLimitExceeded, match=r"run 1 holds 3 contexts.*run_max_contexts"):
+        c.create_context(RUN)
+    with pytest.raises(ContextLimitExceeded):
+        c.fork_context(RUN, first)
+    assert c.create_context(RUN + 1)  # another run's count is its own
+    c.release_context(RUN, first)
+    c.fork_context(RUN, c.contexts.of_run(RUN)[0])  # a release frees a place
+    c.end_run(RUN)
+    assert [c.create_context(RUN) for _ in range(3)]  # an ended run's contexts are all freed
+
+
+def test_an_api_key_cannot_take_the_pool_s_last_pages_from_another() -> None:
+    # 64 pages; two keys with a 0.75 share each would leave the third none.
+    c = core(max_run_page_fraction=0.75, max_group_page_fraction=0.75, group_reserve_page_fraction=0.125)  # type: ignore[arg-type]
+    for run, key in ((1, "a"), (2, "b"), (3, "c")):
+        c.contexts.set_group(run, key)
+    fills = {}
+    for run, num_pages in ((1, 48), (2, 8)):
+        fills[run] = c.create_context(run)
+        c.submit(run, fills[run], PassRequest(tokens=[1] * (num_pages * PAGE)), _future())
+    other = c.create_context(2)
+    with pytest.raises(PageQuotaExceeded, match="key_reserve_pages_fraction"):
+        c.submit(2, other, PassRequest(tokens=[1]), _future())
+    third = c.create_context(3)
+    c.submit(3, third, PassRequest(tokens=[1] * (8 * PAGE)), _future())  # the last 8 pages

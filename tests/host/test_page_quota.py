@@ -28,3 +28,21 @@ def test_fractions_are_checked() -> None:
     assert PageQuota(10).is_unlimited
     with pytest.raises(InvalidRequest, match="group_fraction must be in"):
         PageQuota(10, group_fraction=0)
+
+
+def test_keys_with_overlapping_shares_leave_the_pool_s_last_pages_to_a_third() -> None:
+    """Two keys of 0.75 each could take the whole pool between them; with a reserve of 0.1 the
+    last 10 pages go only to a key that holds fewer than 10."""
+    quota = PageQuota(100, run_fraction=0.75, group_fraction=0.75, group_reserve_fraction=0.1)
+    for run, group in ((1, "key-a"), (2, "key-b"), (3, "key-c")):
+        quota.set_group(run, group)
+    held = {1: 75, 2: 0, 3: 0}
+    quota.check(2, 15, held, num_free=25)  # key-b down to the reserve
+    with pytest.raises(PageQuotaExceeded, match=r"the 10 pages the pool keeps free .*key_reserve_pages_fraction"):
+        quota.check(2, 16, held, num_free=25)
+    held[2] = 15
+    quota.check(3, 10, held, num_free=10)  # key-c gets the reserve
+    with pytest.raises(PageQuotaExceeded, match="key_reserve_pages_fraction"):
+        quota.check(3, 11, held, num_free=10)
+    with pytest.raises(InvalidRequest, match="group_reserve_fraction"):
+        PageQuota(10, group_reserve_fraction=1.0)

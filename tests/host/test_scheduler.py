@@ -291,3 +291,44 @@ def test_a_deferred_step_follows_its_context_s_pass_in_flight_and_a_plain_one_wa
     assert sched.has_pending(1)  # the follower is still in flight
     assert [p.ticket for p in sched.complete(second, results_for(second))] == [follower.ticket]
     assert not sched.has_pending(1)
+
+
+def test_runs_take_turns_so_a_run_with_thousands_of_contexts_does_not_push_others_back() -> None:
+    """A run that queued 2,000 decodes first still leaves a place in the next pass for each other
+    run (in arrival order they would wait 500 passes of 4)."""
+    sched = Scheduler(limits(max_requests=4), PAGE)
+    for cid in range(2000):
+        sched.submit(item(cid, 1, run_id=1))
+    sched.submit(item(5000, 1, run_id=2))
+    sched.submit(item(6000, 30, run_id=3))  # a fill: it gets the room short passes leave it
+    batch = sched.next_batch()
+    assert batch is not None
+    by_run = {c.item.run_id for c in batch.chunks}
+    assert by_run == {1, 2, 3}, [c.item.context_id for c in batch.chunks]
+
+
+def test_a_lone_run_still_fills_the_whole_pass() -> None:
+    sched = Scheduler(limits(max_requests=4), PAGE)
+    for cid in range(10):
+        sched.submit(item(cid, 1, run_id=1))
+    batch = sched.next_batch()
+    assert batch is not None and [c.item.context_id for c in batch.chunks] == [0, 1, 2, 3]
+
+
+def test_has_pending_follows_the_queue() -> None:
+    sched = Scheduler(limits(), PAGE)
+    first, second = item(1, 1), item(1, 1)
+    sched.submit(first)
+    sched.submit(second)
+    batch = sched.next_batch()
+    assert batch is not None and sched.has_pending(1)
+    sched.complete(batch, results_for(batch))
+    assert sched.has_pending(1)  # the second still waits
+    sched.cancel(lambda p: p is second)
+    assert not sched.has_pending(1)
+    third = item(1, 1)
+    sched.submit(third)
+    batch = sched.next_batch()
+    assert batch is not None
+    sched.fail(batch)
+    assert not sched.has_pending(1)

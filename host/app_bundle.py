@@ -26,7 +26,7 @@ class BundleError(ValueError):
     """The file's `wafer-app` section is malformed; the message says how."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class AppSources:
     """An inferlet's own modules: (path relative to its folder, source text), `app.py` among them."""
 
@@ -56,12 +56,17 @@ def _read_leb128(data: bytes | memoryview, at: int) -> tuple[int, int]:
         shift += 7
 
 
-def append_sources(base: bytes, sources: AppSources) -> bytes:
-    """The base component with the inferlet's sources in a trailing custom section."""
-    payload = json.dumps(
+def encode_payload(sources: AppSources) -> bytes:
+    """The `wafer-app` section's payload for `sources` (what `decode_payload` reads back)."""
+    return json.dumps(
         {SECTION_NAME: FORMAT, "base": sources.base_digest, "files": [list(f) for f in sources.files]},
         ensure_ascii=False,
     ).encode()
+
+
+def append_sources(base: bytes, sources: AppSources) -> bytes:
+    """The base component with the inferlet's sources in a trailing custom section."""
+    payload = encode_payload(sources)
     name = SECTION_NAME.encode()
     body = _leb128(len(name)) + name + payload
     return base + bytes([_CUSTOM_SECTION]) + _leb128(len(body)) + body
@@ -86,17 +91,20 @@ def split_sources(data: bytes) -> tuple[bytes, AppSources | None]:
         if section_id == _CUSTOM_SECTION:
             name_len, name_at = _read_leb128(view, body_at)
             if bytes(view[name_at : name_at + name_len]) == SECTION_NAME.encode():
-                sources = _decode(bytes(view[name_at + name_len : end]))
+                sources = decode_payload(bytes(view[name_at + name_len : end]))
                 return data[:start] + data[end:], sources
         at = end
     return data, None
 
 
-def _decode(payload: bytes) -> AppSources:
+def decode_payload(payload: bytes) -> AppSources:
+    """The sources in a `wafer-app` section's payload; BundleError if it is malformed."""
     try:
         doc = json.loads(payload)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BundleError(f"the {SECTION_NAME} section is not JSON: {exc}") from None
+    except RecursionError:  # JSON nested deeper than the parser's recursion limit
+        raise BundleError(f"the {SECTION_NAME} section nests its JSON too deeply to read") from None
     if not isinstance(doc, dict) or doc.get(SECTION_NAME) != FORMAT:
         raise BundleError(f"the {SECTION_NAME} section is not format {FORMAT}")
     files = doc.get("files")

@@ -33,7 +33,28 @@ def resolve_inferlet(name_or_path: str) -> Path:
 
 
 def sources(root: Path, suffixes: tuple[str, ...]) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in suffixes and "__pycache__" not in p.parts)
+    """The files under `root` with one of `suffixes`. Any link under `root` that resolves outside
+    it is a BuildError, whatever its suffix: a build reads only what the folder holds (a snapshot
+    build runs the inferlet's code on the folder), so a link cannot carry another file of the
+    machine into a component, nor to whoever it is uploaded to."""
+    real_root = root.resolve()
+    found = []
+    for path in root.rglob("*"):  # does not descend into linked folders: the link itself is checked
+        if "__pycache__" in path.parts:
+            continue
+        if path.is_symlink():
+            try:
+                target = path.resolve()
+            except (OSError, RuntimeError) as exc:  # a link loop
+                raise BuildError(f"{path} is a link that cannot be resolved ({exc}): remove it") from None
+            if not target.is_relative_to(real_root):
+                raise BuildError(
+                    f"{path} links to {target}, outside {root}: a build takes only files inside the "
+                    "inferlet's folder (copy the file in, or remove the link)"
+                )
+        if path.suffix in suffixes and path.is_file():
+            found.append(path)
+    return sorted(found)
 
 
 def syntax_check(inferlet_dir: Path) -> None:

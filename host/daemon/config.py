@@ -73,6 +73,14 @@ class DaemonConfig:
     restart_backoff_initial_s: float = 0.5
     restart_backoff_max_s: float = 30.0
     drain_timeout_s: float = 10.0
+    # What the daemon keeps for tenants: finished runs (by count, and by the bytes of their output,
+    # messages and error text; the oldest are forgotten first), in all and per API key; uploads per key.
+    max_kept_runs: int = 256
+    key_max_kept_runs: int = 64
+    max_kept_run_mib: int = 512
+    key_max_kept_run_mib: int = 128
+    key_max_uploads: int = 64  # inferlets one API key may have uploaded (DELETE frees one)
+    key_max_upload_bytes: int = 2048 * MIB  # their bytes together, each counted whole for each key
     cache_dir: Path = field(default_factory=default_cache_dir)
     data_dir: Path = field(default_factory=lambda: default_cache_dir() / "daemon")  # uploaded inferlets
     log_level: str = "info"
@@ -297,6 +305,12 @@ def _check(c: DaemonConfig) -> None:
         "grammar_max_mib": 0.001,
         "grammar_cache_mib": 1,
         "restart_backoff_initial_s": 0.01,
+        "max_kept_runs": 1,
+        "key_max_kept_runs": 1,
+        "max_kept_run_mib": 1,
+        "key_max_kept_run_mib": 1,
+        "key_max_uploads": 1,
+        "key_max_upload_bytes": 1,
     }
     for key, minimum in minimums.items():
         if getattr(c, key) < minimum:

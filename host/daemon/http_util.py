@@ -1,5 +1,5 @@
 """Small HTTP helpers shared by the routers: the daemon from the request, strict body parsing
-into a pydantic model (400 naming the field), and SSE framing."""
+into a pydantic model (400 naming the field), list pages, and SSE framing."""
 
 from __future__ import annotations
 
@@ -69,6 +69,24 @@ def _is_union_tag(part: object) -> bool:
         or part[:1].isupper()
         or part.startswith(("function-", "constrained-"))
     )
+
+
+# A list endpoint answers at most this many items a page (`limit`), this many unless asked.
+LIST_LIMIT_DEFAULT = 100
+LIST_LIMIT_MAX = 1000
+
+
+def list_page(items: list[dict[str, Any]], limit: int) -> dict[str, Any]:
+    """A page of a list, in OpenAI's shape, from up to `limit + 1` items in id order (an item
+    past `limit` says that more follow: the next page is `after=<last_id>`)."""
+    page = items[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    }
 
 
 def _json(data: Any) -> str:

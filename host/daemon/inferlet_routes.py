@@ -1,6 +1,7 @@
-"""Inferlet endpoints: upload a component (named by its content hash), start runs of it, follow
-a run's output and messages (SSE), send it messages, cancel it, list runs. A key is always
-required here (see `middleware.py`): these endpoints run code.
+"""Inferlet endpoints: upload a component (named by its content hash, under a per-key quota),
+list and delete uploads, start runs of one, follow a run's output and messages (SSE), send it
+messages, cancel it, list runs (a page at a time). A key is always required here (see
+`middleware.py`): these endpoints run code.
 """
 
 from __future__ import annotations
@@ -16,12 +17,24 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 from host.daemon.daemon import CHAT_INFERLET, ENGINE_WAIT_S
 from host.daemon.errors import BadRequest, RunInboxFull
-from host.daemon.http_util import SSE_HEADERS, daemon_of, key_id_of, parse_body, sse
+from host.daemon.http_util import (
+    LIST_LIMIT_DEFAULT,
+    LIST_LIMIT_MAX,
+    SSE_HEADERS,
+    daemon_of,
+    key_id_of,
+    list_page,
+    parse_body,
+    sse,
+)
+from host.daemon.inferlet_store import UploadQuota
 from host.sandbox.errors import InboxFull
 
 router = APIRouter(tags=["inferlets"])
 
 MAX_ARGS = 1024
+
+PageLimit = Annotated[int, Query(ge=1, le=LIST_LIMIT_MAX, description=f"items in this page, at most {LIST_LIMIT_MAX}")]
 
 
 class StartRun(BaseModel):
@@ -57,20 +70,31 @@ async def upload(
     request: Request, shared: Annotated[bool, Query(description="visible to every API key, not only this one")] = False
 ) -> JSONResponse:
     data = await request.body()
-    store = daemon_of(request).store
-    entry, is_new = await anyio.to_thread.run_sync(store.add, data, key_id_of(request), shared)
+    daemon = daemon_of(request)
+    quota = UploadQuota(daemon.config.key_max_uploads, daemon.config.key_max_upload_bytes)
+    entry, is_new = await anyio.to_thread.run_sync(daemon.store.add, data, key_id_of(request), shared, quota)
     return JSONResponse(entry.describe(), status_code=201 if is_new else 200)
 
 
-@router.get("/v1/inferlets", summary="List uploaded inferlets")
-async def list_inferlets(request: Request) -> dict[str, Any]:
-    entries = await anyio.to_thread.run_sync(daemon_of(request).store.list, key_id_of(request))
-    return {"object": "list", "data": [e.describe() for e in entries]}
+@router.get("/v1/inferlets", summary="List uploaded inferlets, a page at a time")
+async def list_inferlets(
+    request: Request,
+    after: Annotated[str, Query(description="the last id of the previous page")] = "",
+    limit: PageLimit = LIST_LIMIT_DEFAULT,
+) -> dict[str, Any]:
+    entries = daemon_of(request).store.list(key_id_of(request), after, limit + 1)
+    return list_page([e.describe() for e in entries], limit)
 
 
 @router.get("/v1/inferlets/{inferlet_id}", summary="Describe an uploaded inferlet")
 async def get_inferlet(request: Request, inferlet_id: str) -> dict[str, Any]:
     return daemon_of(request).store.get(inferlet_id, key_id_of(request)).describe()
+
+
+@router.delete("/v1/inferlets/{inferlet_id}", summary="Delete an inferlet this key uploaded")
+async def delete_inferlet(request: Request, inferlet_id: str) -> dict[str, Any]:
+    await anyio.to_thread.run_sync(daemon_of(request).store.delete, inferlet_id, key_id_of(request))
+    return {"id": inferlet_id, "object": "inferlet", "deleted": True}
 
 
 @router.post("/v1/runs", summary="Start a run of an inferlet", openapi_extra=_body(StartRun), status_code=201)
@@ -87,11 +111,17 @@ async def start_run(request: Request) -> JSONResponse:
     return JSONResponse(record.describe(), status_code=201)
 
 
-@router.get("/v1/runs", summary="List runs and their states")
-async def list_runs(request: Request, kind: str | None = None) -> dict[str, Any]:
+@router.get("/v1/runs", summary="List runs and their states, a page at a time")
+async def list_runs(
+    request: Request,
+    kind: str | None = None,
+    after: Annotated[int, Query(ge=0, description="the last id of the previous page")] = 0,
+    limit: PageLimit = LIST_LIMIT_DEFAULT,
+) -> dict[str, Any]:
     if kind not in (None, "inferlet", "chat"):
         raise BadRequest("kind is 'inferlet' or 'chat'", param="kind")
-    return {"object": "list", "data": [r.describe() for r in daemon_of(request).runs.list(kind, key_id_of(request))]}
+    records = daemon_of(request).runs.list(kind, key_id_of(request), after, limit + 1)
+    return list_page([r.describe() for r in records], limit)
 
 
 @router.get("/v1/runs/{run_id}", summary="Describe a run")

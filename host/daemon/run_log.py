@@ -1,5 +1,6 @@
 """What one run has said so far (output chunks, messages, its end), kept so HTTP clients can
-follow it live or replay it; filled by the run's thread, read on the event loop.
+follow it live or replay it, and counted in bytes (what the daemon keeps of a finished run);
+filled by the run's thread, read on the event loop. Also the bound on a run's error text.
 
 It implements the sandbox's `RunIO`; it knows nothing of HTTP.
 """
@@ -14,13 +15,30 @@ from dataclasses import dataclass
 from typing import Any
 
 from host.sandbox.config import MIB
-from host.sandbox.run_io import Inbox
+from host.sandbox.run_io import Inbox, utf8_len
 
 log = logging.getLogger("wafer.run")
 
 # A run that streams without bound must not grow daemon memory without bound: past this, the
 # oldest events are dropped (a follower that falls that far behind is told so).
 MAX_KEPT_EVENTS = 100_000
+# What the host holds for one event besides its text (the event, the string's header, the
+# list's slot), measured with tracemalloc on CPython 3.11: 147 bytes for a one-character chunk.
+EVENT_OVERHEAD_BYTES = 150
+# A run's error text, and each line a run logs, are kept and logged up to this many UTF-8 bytes
+# (a Python traceback fits); the rest is cut off, and the text says how much.
+MAX_ERROR_BYTES = 16 * 1024
+
+
+def bounded_text(text: str, max_bytes: int = MAX_ERROR_BYTES) -> str:
+    """`text` up to `max_bytes` UTF-8 bytes, then "... (N bytes more)" when it was longer."""
+    if len(text) <= max_bytes // 4:  # short enough whatever its characters (4 bytes at most each)
+        return text
+    data = text.encode("utf-8", "surrogatepass")
+    if len(data) <= max_bytes:
+        return text
+    head = data[:max_bytes].decode("utf-8", "ignore")  # a character cut in two is left out
+    return f"{head}... ({len(data) - len(head.encode('utf-8', 'surrogatepass'))} bytes more)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +57,8 @@ class RunLog:
         self._lock = threading.Lock()
         self._events: list[RunEvent] = []
         self._first_seq = 0
+        self._num_bytes = 0  # what the kept events hold (`num_bytes`)
+        self._max_inbound_bytes = max_inbound_bytes
         self._is_ended = False
         self._changed = asyncio.Event()
         self._is_notify_queued = False  # a `_notify` is on its way to the loop: no need for another
@@ -56,7 +76,7 @@ class RunLog:
         return self._inbox.receive(timeout_s)
 
     def log(self, run_id: int, level: str, message: str) -> None:
-        log.log(logging.getLevelName(level.upper()), "[run %d] %s", run_id, message)
+        log.log(logging.getLevelName(level.upper()), "[run %d] %s", run_id, bounded_text(message))
 
     # ------------------------------------------------------------------ the daemon's side
 
@@ -67,12 +87,21 @@ class RunLog:
         self._inbox.close()
 
     def end(self, data: dict[str, Any]) -> None:
+        """The run's last event. Messages it never received are dropped: nobody will."""
+        self._inbox = Inbox(self._max_inbound_bytes)
         self._append("end", data)
 
     @property
     def is_ended(self) -> bool:
         with self._lock:
             return self._is_ended
+
+    @property
+    def num_bytes(self) -> int:
+        """What the kept events hold: their text's UTF-8 bytes plus EVENT_OVERHEAD_BYTES each
+        (an end event counts its error text)."""
+        with self._lock:
+            return self._num_bytes
 
     def snapshot(self) -> list[RunEvent]:
         """The events kept so far."""
@@ -84,10 +113,12 @@ class RunLog:
             if self._is_ended:
                 return
             self._events.append(RunEvent(self._first_seq + len(self._events), kind, data))
+            self._num_bytes += _size_of(kind, data)
             if kind == "end":
                 self._is_ended = True
             if len(self._events) > MAX_KEPT_EVENTS:
                 drop = len(self._events) - MAX_KEPT_EVENTS
+                self._num_bytes -= sum(_size_of(e.kind, e.data) for e in self._events[:drop])
                 del self._events[:drop]
                 self._first_seq += drop
             if self._is_notify_queued:  # followers will see this event with the ones before it
@@ -127,3 +158,13 @@ class RunLog:
                     return
             seq += len(new)
             await waiter.wait()
+
+
+def end_event_bytes(data: dict[str, Any]) -> int:
+    """What an end event holds, as `RunLog.num_bytes` counts it: its error text."""
+    error = data.get("error")
+    return EVENT_OVERHEAD_BYTES + (utf8_len(error) if isinstance(error, str) else 0)
+
+
+def _size_of(kind: str, data: Any) -> int:
+    return end_event_bytes(data) if kind == "end" else EVENT_OVERHEAD_BYTES + utf8_len(data)

@@ -1,5 +1,6 @@
 """Runs started over HTTP: admission (the concurrent-run limit), the sandbox start on the live
-engine, state, cancellation, and draining at shutdown.
+engine, state, cancellation, draining at shutdown, and which finished runs are kept (bounded by
+count and by bytes, per API key and in all).
 
 It knows the sandbox and the supervisor; it knows nothing of HTTP or of the OpenAI API.
 """
@@ -7,11 +8,12 @@ It knows the sandbox and the supervisor; it knows nothing of HTTP or of the Open
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -22,14 +24,13 @@ from host.daemon.config import DaemonConfig
 from host.daemon.errors import DriverUnavailable, NotFound, PagesExhausted, TooManyRuns
 from host.daemon.logs import request_id_var
 from host.daemon.replica_set import AnyEngine, ReplicaSet
-from host.daemon.run_log import RunLog
+from host.daemon.run_log import RunLog, bounded_text, end_event_bytes
 from host.sandbox import LoadedInferlet, RunHandle, RunOutcome, RunStatus, Sandbox
+from host.sandbox.config import MIB
 
 log = logging.getLogger("wafer.daemon.runs")
 
 T = TypeVar("T")
-
-MAX_KEPT_FINISHED = 256  # finished runs kept for `GET /v1/runs` and late followers
 
 
 class RunState(enum.Enum):
@@ -57,8 +58,12 @@ class RunRecord:
     kind: str  # "inferlet" (started by a client) or "chat" (serving an OpenAI request)
     generation: int  # the engine generation it runs on (see Supervisor)
     created_at: float
-    handle: RunHandle
+    # While it runs; dropped at its end, with all the run held (its args, its inferlet's sources).
+    handle: RunHandle | None
     log: RunLog
+    # While it runs: the inferlet it runs. Its sources live as long as some run of it, so every
+    # run started meanwhile gets the same copy (see `InferletStore.load`).
+    loaded: LoadedInferlet | None = None
     outcome: RunOutcome | None = None
     owner: str = ""  # digest of the API key that started it: only that key sees the run
     request_id: str = ""  # of the HTTP request that started it (for the logs of its end)
@@ -68,7 +73,9 @@ class RunRecord:
 
     def cancel(self) -> None:
         self.is_cancel_requested = True
-        self.handle.cancel()
+        handle = self.handle
+        if handle is not None:
+            handle.cancel()
 
     @property
     def state(self) -> RunState:
@@ -99,7 +106,9 @@ class RunRecord:
         if self.state is RunState.CANCELLED:
             return "cancelled"
         error = self.outcome.error or self.outcome.status.value
-        return f"{error} (the model driver failed: {self.driver_lost})" if self.driver_lost else error
+        if self.driver_lost:
+            return f"{error} (the model driver failed: {bounded_text(self.driver_lost, 1024)})"
+        return error
 
 
 class RunRegistry:
@@ -109,7 +118,12 @@ class RunRegistry:
         self._supervisor = supervisor
         self._lock = threading.Lock()
         self._runs: OrderedDict[int, RunRecord] = OrderedDict()
-        self._finished: deque[int] = deque()  # ids of the kept finished runs, in the order they ended
+        # The kept finished runs, in the order they ended, with the bytes each holds: all of
+        # them, and each key's.
+        self._finished: OrderedDict[int, int] = OrderedDict()
+        self._finished_bytes = 0
+        self._finished_of: dict[str, OrderedDict[int, int]] = {}
+        self._finished_bytes_of: dict[str, int] = {}
         self._num_running = 0
         self._num_ended: dict[RunState, int] = dict.fromkeys(RunState, 0)
         self._is_draining = False
@@ -157,7 +171,9 @@ class RunRegistry:
                 with self._lock:
                     self._num_running -= 1
                 raise
-            record = RunRecord(handle.run_id, inferlet, kind, generation, time.time(), handle, run_log, owner=owner)
+            record = RunRecord(
+                handle.run_id, inferlet, kind, generation, time.time(), handle, run_log, inferlet_code, owner=owner
+            )
             record.request_id = request_id
             self._track(record)
             return record, prepared
@@ -183,16 +199,22 @@ class RunRegistry:
         log.info("run %d started (%s %s)", record.run_id, record.kind, record.inferlet, extra=extra)
 
     def _await_end(self, record: RunRecord) -> None:
+        assert record.handle is not None
         outcome = record.handle.wait()
         if not outcome.is_ok and outcome.status is not RunStatus.CANCELLED and not record.is_cancel_requested:
             record.driver_lost = self._supervisor.lost_reason(record.generation, record.run_id)
-        record.outcome = outcome
+        # Kept: the error, bounded. Not kept: the output (the run log has it) and stderr (a
+        # trap's error carries its tail already), nor the run itself.
+        error = bounded_text(outcome.error) if outcome.error is not None else None
+        record.outcome = dataclasses.replace(outcome, output="", stderr="", error=error)
+        record.handle = record.loaded = None
+        end = record.describe()
         with self._lock:
             self._num_running -= 1
             self._num_ended[record.state] += 1
-            self._finished.append(record.run_id)
-            self._evict_finished()
-        record.log.end(record.describe())
+            # Counted with its end event, and kept or forgotten before a follower sees that event.
+            self._keep_finished(record, record.log.num_bytes + end_event_bytes(end))
+        record.log.end(end)
         record.done.set()
         log.info(
             "run %d ended: %s%s",
@@ -202,11 +224,32 @@ class RunRegistry:
             extra={"run_id": record.run_id, "request_id": record.request_id},
         )
 
-    def _evict_finished(self) -> None:
-        """Forget the runs that ended first, past the last MAX_KEPT_FINISHED (without a scan of
-        every run at every end)."""
-        while len(self._finished) > MAX_KEPT_FINISHED:
-            del self._runs[self._finished.popleft()]
+    def _keep_finished(self, record: RunRecord, size: int) -> None:
+        """Keep a run that ended, then forget the runs that ended first while its key's kept
+        runs, or all kept runs, pass their count or byte bound (without a scan of every run at
+        every end); lock held. Its own follower goes on reading its log either way."""
+        owner, config = record.owner, self._config
+        mine = self._finished_of.setdefault(owner, OrderedDict())
+        mine[record.run_id] = size
+        self._finished_bytes_of[owner] = self._finished_bytes_of.get(owner, 0) + size
+        self._finished[record.run_id] = size
+        self._finished_bytes += size
+        max_key_bytes = config.key_max_kept_run_mib * MIB
+        while mine and (len(mine) > config.key_max_kept_runs or self._finished_bytes_of[owner] > max_key_bytes):
+            self._forget(next(iter(mine)))
+        max_bytes = config.max_kept_run_mib * MIB
+        while self._finished and (len(self._finished) > config.max_kept_runs or self._finished_bytes > max_bytes):
+            self._forget(next(iter(self._finished)))
+
+    def _forget(self, run_id: int) -> None:
+        record = self._runs.pop(run_id)
+        size = self._finished.pop(run_id)
+        self._finished_bytes -= size
+        mine = self._finished_of[record.owner]
+        del mine[run_id]
+        self._finished_bytes_of[record.owner] -= size
+        if not mine:
+            del self._finished_of[record.owner], self._finished_bytes_of[record.owner]
 
     # ------------------------------------------------------------------ queries and control
 
@@ -218,13 +261,18 @@ class RunRegistry:
             raise NotFound(f"no run {run_id}", param="run_id", code="run_not_found")
         return record
 
-    def list(self, kind: str | None = None, owner: str | None = None) -> list[RunRecord]:
+    def list(
+        self, kind: str | None = None, owner: str | None = None, after: int = -1, limit: int | None = None
+    ) -> list[RunRecord]:
+        """Runs by id: of `kind` and `owner` (None: any), with ids past `after`, at most `limit`."""
         with self._lock:
-            return [
+            found = [
                 r
                 for r in self._runs.values()
-                if (kind is None or r.kind == kind) and (owner is None or r.owner == owner)
+                if r.run_id > after and (kind is None or r.kind == kind) and (owner is None or r.owner == owner)
             ]
+        found.sort(key=lambda r: r.run_id)  # a run is kept once started, which is not in id order
+        return found if limit is None else found[:limit]
 
     def counts(self) -> dict[str, int]:
         """Runs now running, and runs ended so far by final state (for /metrics)."""

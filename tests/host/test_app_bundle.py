@@ -51,6 +51,11 @@ def test_a_malformed_section_is_refused_saying_why(payload: bytes, says: str) ->
         split_sources(_section(payload))
 
 
+def test_a_section_nested_past_the_parser_s_depth_is_refused_not_crashed_on() -> None:
+    with pytest.raises(BundleError, match="nests its JSON too deeply"):
+        split_sources(_section(b"[" * 200_000))
+
+
 def test_section_lengths_past_one_byte_are_encoded() -> None:
     big = (("app.py", "x = 1\n" * 5000),)
     assert split_sources(append_sources(BASE, AppSources("d", big)))[1] == AppSources("d", big)

@@ -190,3 +190,27 @@ def test_an_upload_too_costly_to_compile_is_refused_naming_the_budget(server: Se
         assert str(tmp_path) not in str(info.value) and store.list() == []
     with server.http() as http:  # the server itself keeps serving
         assert http.get("/health").status_code == 200
+
+
+def test_uploads_stored_whole_before_records_are_taken_into_the_store(server: Server, tmp_path: Path) -> None:
+    """A data directory from before records (`<hex>.wasm`, an access list beside it or none)
+    keeps its uploads: each is split into component and sources, with the same owners."""
+    echo = server.echo_wasm.read_bytes()
+    tiny = b"\0asm\x0d\x00\x01\x00"
+    store_dir = tmp_path / "store"
+    store_dir.mkdir()
+    ids = {}
+    for name, data, acl in (("echo", echo, {"owners": ["k1"], "shared": False}), ("tiny", tiny, None)):
+        hex_id = hashlib.sha256(data).hexdigest()
+        (store_dir / f"{hex_id}.wasm").write_bytes(data)
+        if acl is not None:
+            (store_dir / f"{hex_id}.acl.json").write_text(json.dumps(acl))
+        ids[name] = f"sha256:{hex_id}"
+    with Sandbox(SandboxConfig(cache_dir=server.config.cache_dir)) as sandbox:
+        store = InferletStore(store_dir, sandbox)
+        assert [e.id for e in store.list("k1")] == sorted(ids.values())
+        assert [e.id for e in store.list("k2")] == [ids["tiny"]]  # one with no access list is every key's
+        assert store.get(ids["echo"], "k1").size_bytes == len(echo)
+        loaded = store.load(ids["echo"], "k1")
+        assert loaded.app is not None and any(path == "app.py" for path, _ in loaded.app.files)
+    assert not list(store_dir.glob("*.wasm")) and not list(store_dir.glob("*.acl.json"))

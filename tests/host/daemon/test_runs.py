@@ -1,6 +1,6 @@
 """The run registry, on a fake sandbox: its start is one worker-thread hop that prepares, admits
 and starts a run, with nothing blocking on the event loop (which serves every open stream); it
-forgets the runs that ended first."""
+forgets the runs that ended first; a finished run keeps only its log and a bounded error."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from host.daemon import runs as runs_module
 from host.daemon.config import load_config
 from host.daemon.errors import BadRequest, TooManyRuns
+from host.daemon.run_log import MAX_ERROR_BYTES
 from host.daemon.runs import RunRecord, RunRegistry
 from host.sandbox import RunOutcome, RunStatus
 
@@ -21,10 +21,11 @@ class FakeHandle:
     def __init__(self, run_id: int) -> None:
         self.run_id = run_id
         self.finish = threading.Event()
+        self.outcome = RunOutcome(run_id, RunStatus.CANCELLED, "")
 
     def wait(self, timeout_s: float | None = None) -> RunOutcome:
         self.finish.wait(timeout_s)
-        return RunOutcome(self.run_id, RunStatus.CANCELLED, "")
+        return self.outcome
 
     def cancel(self) -> None:
         self.finish.set()
@@ -67,9 +68,12 @@ class FakeSupervisor:
         self.engine_threads.append(threading.current_thread())
         return FakeEngine(), 7
 
+    def lost_reason(self, generation: int, run_id: int) -> str:
+        return ""
 
-def registry(max_runs: int) -> tuple[RunRegistry, FakeSandbox, FakeSupervisor]:
-    config = load_config({"max_concurrent_runs": max_runs}, environ={})
+
+def registry(max_runs: int, **limits: int) -> tuple[RunRegistry, FakeSandbox, FakeSupervisor]:
+    config = load_config({"max_concurrent_runs": max_runs, **limits}, environ={})
     sandbox, supervisor = FakeSandbox(), FakeSupervisor()
     return RunRegistry(config, sandbox, supervisor), sandbox, supervisor  # type: ignore[arg-type]
 
@@ -132,15 +136,15 @@ def test_the_run_limit_comes_before_preparation_and_a_refused_one_admits_nothing
     assert runs.num_running == 0
 
 
-def test_the_runs_that_ended_first_are_forgotten_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(runs_module, "MAX_KEPT_FINISHED", 2)
-    runs, _, _ = registry(8)
+def _accept(_engine: Any) -> tuple[list[str], None]:
+    return [], None
 
-    def accept(_engine: Any) -> tuple[list[str], None]:
-        return [], None
+
+def test_the_runs_that_ended_first_are_forgotten_first() -> None:
+    runs, _, _ = registry(8, max_kept_runs=2)
 
     async def scenario() -> list[RunRecord]:
-        return [(await runs.start(object(), "chat", "chat", 1.0, accept))[0] for _ in range(5)]
+        return [(await runs.start(object(), "chat", "chat", 1.0, _accept))[0] for _ in range(5)]
 
     records = asyncio.run(scenario())
     for i in (3, 0, 4, 1):  # the order they end in
@@ -148,5 +152,26 @@ def test_the_runs_that_ended_first_are_forgotten_first(monkeypatch: pytest.Monke
         assert records[i].done.wait(5)
     # Kept: the two that ended last, and the one still running.
     assert sorted(r.run_id for r in runs.list()) == sorted(records[i].run_id for i in (4, 1, 2))
+    assert [r.run_id for r in runs.list(after=records[1].run_id, limit=1)] == [records[2].run_id]
     records[2].cancel()
     assert records[2].done.wait(5)
+
+
+def test_a_finished_run_keeps_its_log_and_a_bounded_error_and_lets_go_of_the_rest() -> None:
+    runs, sandbox, _ = registry(2)
+
+    async def scenario() -> RunRecord:
+        return (await runs.start(object(), "chat", "chat", 1.0, _accept))[0]
+
+    record = asyncio.run(scenario())
+    assert record.handle is not None and record.loaded is not None
+    sandbox.handles[0].outcome = RunOutcome(
+        record.run_id, RunStatus.GUEST_ERROR, output="o" * 10_000, error="é" * 100_000, stderr="s" * 10_000
+    )
+    sandbox.handles[0].finish.set()
+    assert record.done.wait(5)
+    assert record.outcome is not None and record.outcome.output == record.outcome.stderr == ""
+    assert record.handle is None and record.loaded is None  # the run, its args and its sources
+    error = record.error_message()
+    assert error is not None and error.endswith(f"... ({200_000 - MAX_ERROR_BYTES} bytes more)")
+    assert len(error.encode()) < MAX_ERROR_BYTES + 40 and record.describe()["error"] == error

@@ -47,6 +47,8 @@ class DaemonConfig:
     # driver's page size, 16 for ours; 0 = off). With replicas, a run goes where its prefix is.
     prefix_match_unit: int = 0
     max_concurrent_runs: int = 64
+    key_max_concurrent_runs: int = 32  # runs one API key may have running at once
+    key_reserve_run_slots: int = 8  # the last slots, which only a key with no run running may take
     run_memory_mib: int = 256
     run_timeout_s: float = 600.0
     run_watchdog_s: float = 30.0
@@ -291,6 +293,8 @@ def _check(c: DaemonConfig) -> None:
         "multi_step_budget_ms": 0,
         "prefix_match_unit": 0,
         "max_concurrent_runs": 1,
+        "key_max_concurrent_runs": 1,
+        "key_reserve_run_slots": 0,
         "run_max_contexts": 1,
         "run_memory_mib": 20,  # the interpreter needs about 12 MiB, the tables take 4 (SandboxConfig)
         "run_max_output_mib": 1,

@@ -91,8 +91,14 @@ class TooManyRuns(ApiError):
     status = 429
     error_type = "rate_limit_error"
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"all {limit} run slots are busy; retry later", code="too_many_runs")
+    def __init__(self, limit: int, setting: str = "") -> None:
+        if setting == "key_max_concurrent_runs":
+            message = f"this API key has {limit} runs running, the most one key may ({setting}); retry when one ends"
+        elif setting:
+            message = f"{limit} run slots are busy and the rest are kept for other API keys ({setting}); retry later"
+        else:
+            message = f"all {limit} run slots are busy; retry later"
+        super().__init__(message, code="too_many_runs")
 
 
 class PagesExhausted(ApiError):

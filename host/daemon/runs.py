@@ -125,6 +125,7 @@ class RunRegistry:
         self._finished_of: dict[str, OrderedDict[int, int]] = {}
         self._finished_bytes_of: dict[str, int] = {}
         self._num_running = 0
+        self._running_of: dict[str, int] = {}  # API key digest -> its runs running
         self._num_ended: dict[RunState, int] = dict.fromkeys(RunState, 0)
         self._is_draining = False
         self._run_config = config.sandbox_config()
@@ -155,7 +156,7 @@ class RunRegistry:
                 raise PagesExhausted(engine.num_pages)
             # A run slot first: preparing may compile a grammar (seconds of host CPU), which a
             # request must not get when every slot is busy.
-            self._admit()
+            self._admit(owner)
             try:
                 args, prepared = prepare(engine)
                 run_log = RunLog(f"a {kind} run", loop, self._run_config.max_inbound_bytes)
@@ -169,7 +170,7 @@ class RunRegistry:
                 )
             except BaseException:
                 with self._lock:
-                    self._num_running -= 1
+                    self._release_slot(owner)
                 raise
             record = RunRecord(
                 handle.run_id, inferlet, kind, generation, time.time(), handle, run_log, inferlet_code, owner=owner
@@ -180,13 +181,38 @@ class RunRegistry:
 
         return await anyio.to_thread.run_sync(launch)
 
-    def _admit(self) -> None:
+    def _admit(self, owner: str) -> None:
+        """A run slot for `owner`'s run: within all slots and the key's own limit; the last
+        `key_reserve_run_slots` only for a key with no run running, so runs that wait long (in
+        receive(), say) cannot have every other key's requests refused. With one key or none,
+        every slot is that key's."""
+        config = self._config
         with self._lock:
             if self._is_draining:
                 raise DriverUnavailable("the daemon is shutting down")
-            if self._num_running >= self._config.max_concurrent_runs:
-                raise TooManyRuns(self._config.max_concurrent_runs)
+            if self._num_running >= config.max_concurrent_runs:
+                raise TooManyRuns(config.max_concurrent_runs)
+            mine = self._running_of.get(owner, 0)
+            if len(config.api_keys) > 1:
+                self._check_key_share(mine)
             self._num_running += 1
+            self._running_of[owner] = mine + 1
+
+    def _check_key_share(self, mine: int) -> None:
+        """TooManyRuns if a key running `mine` runs may not take another slot; lock held."""
+        config = self._config
+        if mine >= config.key_max_concurrent_runs:
+            raise TooManyRuns(config.key_max_concurrent_runs, "key_max_concurrent_runs")
+        reserve = min(config.key_reserve_run_slots, config.max_concurrent_runs - 1)
+        if mine and self._num_running >= config.max_concurrent_runs - reserve:
+            raise TooManyRuns(config.max_concurrent_runs - reserve, "key_reserve_run_slots")
+
+    def _release_slot(self, owner: str) -> None:
+        """Give a run slot back; lock held."""
+        self._num_running -= 1
+        self._running_of[owner] -= 1
+        if not self._running_of[owner]:
+            del self._running_of[owner]
 
     def _track(self, record: RunRecord) -> None:
         """Keep a started run, and watch for its end."""
@@ -210,7 +236,7 @@ class RunRegistry:
         record.handle = record.loaded = None
         end = record.describe()
         with self._lock:
-            self._num_running -= 1
+            self._release_slot(record.owner)
             self._num_ended[record.state] += 1
             # Counted with its end event, and kept or forgotten before a follower sees that event.
             self._keep_finished(record, record.log.num_bytes + end_event_bytes(end))

@@ -175,3 +175,41 @@ def test_a_finished_run_keeps_its_log_and_a_bounded_error_and_lets_go_of_the_res
     error = record.error_message()
     assert error is not None and error.endswith(f"... ({200_000 - MAX_ERROR_BYTES} bytes more)")
     assert len(error.encode()) < MAX_ERROR_BYTES + 40 and record.describe()["error"] == error
+
+
+def test_one_key_cannot_take_every_run_slot() -> None:
+    """Runs that wait long (in receive(), say) held every slot: eight of one key made every
+    other key's requests 429. A key runs at most key_max_concurrent_runs, and the last
+    key_reserve_run_slots go only to keys with no run running."""
+    runs, _, _ = registry(10, api_keys=["a", "b", "c", "d", "e"], key_max_concurrent_runs=6, key_reserve_run_slots=3)  # type: ignore[list-item]
+
+    async def start(owner: str) -> RunRecord:
+        return (await runs.start(object(), "chat", "chat", 1.0, _accept, owner=owner))[0]
+
+    async def scenario() -> list[RunRecord]:
+        started = [await start("a") for _ in range(6)]
+        with pytest.raises(TooManyRuns, match=r"this API key has 6 runs running.*key_max_concurrent_runs"):
+            await start("a")
+        started.append(await start("b"))  # 7 of 10: the rest is the reserve
+        with pytest.raises(
+            TooManyRuns, match=r"7 run slots are busy.*kept for other API keys \(key_reserve_run_slots\)"
+        ):
+            await start("b")
+        started += [await start(key) for key in ("c", "d", "e")]  # each with none running
+        with pytest.raises(TooManyRuns, match="all 10 run slots are busy"):
+            await start("a")
+        return started
+
+    started = asyncio.run(scenario())
+    for record in started:
+        record.cancel()
+        assert record.done.wait(5)
+    assert runs.num_running == 0
+    alone, _, _ = registry(2, api_keys=["a"], key_max_concurrent_runs=1)  # type: ignore[list-item]
+
+    async def single_key() -> list[RunRecord]:  # with one key, every slot is its own
+        return [(await alone.start(object(), "chat", "chat", 1.0, _accept, owner="a"))[0] for _ in range(2)]
+
+    for record in asyncio.run(single_key()):
+        record.cancel()
+        assert record.done.wait(5)

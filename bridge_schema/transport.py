@@ -3,6 +3,7 @@ anyio), and in-process loopback (anyio memory streams).
 
 Addresses are strings: `unix:/path/to.sock`, `tcp:host:port`. A loopback pair passes payload
 bytes through memory object streams; messages are still encoded and decoded on both sides.
+A Unix socket a driver listens on is its owner's alone (mode 0600, whatever the umask).
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import math
+import os
 import socket
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import anyio
 import anyio.abc
@@ -31,6 +33,10 @@ from bridge_schema.messages import Message
 # it could stop its driver leaves none behind holding its memory. Drivers started on their own
 # (`wafer driver start`, a driver at an address) never get it.
 HOST_PID_ENV = "WAFER_HOST_PID"
+
+# The `ErrorReply.code` a driver answers a connection's first request with while it serves another
+# host (`drivers.host_slot`): one page pool and serve state cannot be shared by two hosts.
+DRIVER_BUSY = "driver_busy"
 
 T = TypeVar("T")
 _HAS_UVLOOP = importlib.util.find_spec("uvloop") is not None
@@ -176,8 +182,13 @@ class ProtocolConnection:
     async def aclose(self) -> None:
         transport = self._protocol.transport
         if transport is not None:
-            transport.close()
+            transport.close()  # what was written is still flushed
         await anyio.lowlevel.checkpoint()
+
+    def extra_info(self, name: str) -> Any:
+        """asyncio's `BaseTransport.get_extra_info` ("socket", "peername"): who is at the other end."""
+        transport = self._protocol.transport
+        return None if transport is None else transport.get_extra_info(name)
 
 
 class LoopbackConnection:
@@ -272,7 +283,7 @@ async def listen(
 
     server: asyncio.AbstractServer
     if kind == "unix":
-        server = await loop.create_unix_server(new_protocol, where)
+        server = await loop.create_unix_server(new_protocol, sock=_bind_unix(where))
     else:
         server = await loop.create_server(new_protocol, where, port)
     try:
@@ -283,6 +294,23 @@ async def listen(
                 tg.start_soon(serve_one, await accepted.get())
     finally:
         server.close()
+
+
+def _bind_unix(path: str) -> socket.socket:
+    """A Unix socket bound at `path` with mode 0600: connecting needs write permission on the file,
+    so only its owner can reach the driver. Set by the umask at bind time, since a chmod afterwards
+    would leave a moment in which anyone may connect; the umask is the process's, so it is
+    restored right after the bind."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    previous = os.umask(0o177)
+    try:
+        sock.bind(path)
+    except OSError:
+        sock.close()
+        raise
+    finally:
+        os.umask(previous)
+    return sock
 
 
 def run(func: Callable[..., Awaitable[T]], *args: object) -> T:

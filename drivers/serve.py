@@ -1,6 +1,8 @@
 """The one serve loop every driver runs: read a frame, decode and validate it against the
 driver's handshake, dispatch, reply. A bad request gets an `ErrorReply` and the loop keeps
 serving; only an oversized frame (the stream is then out of sync) closes its connection.
+A listening driver serves one host connection at a time (`drivers.host_slot`), each on a serve
+state of its own.
 """
 
 from __future__ import annotations
@@ -37,21 +39,38 @@ from bridge_schema.messages import (
     Shutdown,
     Status,
 )
-from bridge_schema.transport import HOST_PID_ENV, Connection, listen, parse_address, run
+from bridge_schema.transport import (
+    DRIVER_BUSY,
+    HOST_PID_ENV,
+    Connection,
+    ProtocolConnection,
+    listen,
+    parse_address,
+    run,
+)
 from drivers.deferred import DeferredTokens
 from drivers.errors import DriverError
+from drivers.host_slot import HostSlot, describe_peer
 from drivers.multistep import run_steps
 from drivers.protocol import Driver
 from drivers.timing import DueTimer
 
 log = logging.getLogger("drivers.serve")
 
+# How long a connection's first request waits for the host being served to let go of the driver
+# before it is refused: a host that has just disconnected holds it until its serve task has wound
+# down (a pass it left in flight finishes first).
+RELEASE_WAIT_S = 1.0
+
 
 @dataclass
 class _ServeState:
+    """One host connection's state; `shutdown` is the driver's, shared by every connection."""
+
     shutdown: anyio.Event
     limits: Limits | None = None
     deferred: DeferredTokens = field(default_factory=DeferredTokens)
+    adapters: set[int] = field(default_factory=set)  # loaded by this host, unloaded when it goes
 
 
 def _error(request_id: int, status: Status, code: str, field: str, message: str) -> ErrorReply:
@@ -92,6 +111,10 @@ def handle(driver: Driver, state: _ServeState, message: Message) -> Message:
             reply = Ack()
         elif isinstance(message, Adapter):
             driver.adapter(message)
+            if message.op == "load":
+                state.adapters.add(message.adapter_id)
+            else:
+                state.adapters.discard(message.adapter_id)
             reply = Ack()
         else:  # pragma: no cover - every request type is dispatched above
             return _error(rid, Status.BAD_REQUEST, "schema", "t", f"unhandled message {message.TAG!r}")
@@ -122,8 +145,20 @@ async def serve_connection(driver: Driver, conn: Connection, state: _ServeState)
         outbox_out.close()
         with anyio.CancelScope(shield=True):  # closed even when the serving task is cancelled
             await conn.aclose()
+        _unload_adapters(driver, state)
     if is_shutdown:  # its Ack is sent: stop serving
         state.shutdown.set()
+
+
+def _unload_adapters(driver: Driver, state: _ServeState) -> None:
+    """A host's adapters go with its connection: the next host's adapter ids name only what it
+    loaded itself, and the memory is free for it."""
+    for adapter_id in sorted(state.adapters):
+        try:
+            driver.adapter(Adapter(op="unload", adapter_id=adapter_id))
+        except Exception:  # one that will not unload must not keep the others loaded
+            log.exception("unloading adapter %d of a host that disconnected failed", adapter_id)
+    state.adapters.clear()
 
 
 async def _read_and_handle(
@@ -181,15 +216,65 @@ async def _try_send(conn: Connection, reply: Message) -> bool:
     return True
 
 
+async def serve_host(driver: Driver, conn: ProtocolConnection, slot: HostSlot, shutdown: anyio.Event) -> None:
+    """Serve `conn` on a fresh serve state if no other host holds `slot`; else answer its first
+    request with a `DRIVER_BUSY` error naming the holder, and close it. A connection takes the
+    slot with its first frame, so one that sends nothing (a probe that the driver listens) takes
+    nothing."""
+    try:
+        first = await conn.receive_payload()
+    except ConnectionClosed:
+        await conn.aclose()
+        return
+    except FrameError as exc:
+        await _try_send(conn, _error(0, Status.BAD_REQUEST, exc.code, "", str(exc)))
+        await conn.aclose()
+        return
+    peer = describe_peer(conn)
+    if not await slot.wait_released(RELEASE_WAIT_S):
+        refusal = slot.refusal()
+        log.warning("refused %s: %s", peer, refusal)
+        await _try_send(conn, _error(peek_id(first), Status.NOT_READY, DRIVER_BUSY, "", refusal))
+        await conn.aclose()
+        return
+    slot.take(peer)  # no await since `wait_released` said it is free: no other host takes it first
+    log.info("serving %s", peer)
+    try:
+        await serve_connection(driver, _FirstPayload(conn, first), _ServeState(shutdown=shutdown))
+    finally:
+        slot.release()
+
+
+class _FirstPayload:
+    """A connection whose first payload was read already (to decide whether to serve it)."""
+
+    def __init__(self, conn: Connection, first: bytes) -> None:
+        self._conn = conn
+        self._first: bytes | None = first
+
+    async def send_payload(self, payload: bytes) -> None:
+        await self._conn.send_payload(payload)
+
+    async def receive_payload(self) -> bytes:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return await self._conn.receive_payload()
+
+    async def aclose(self) -> None:
+        await self._conn.aclose()
+
+
 async def serve(driver: Driver, address: str, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
-    """Serve `driver` at `address` until a `Shutdown` request or SIGINT/SIGTERM."""
-    state = _ServeState(shutdown=anyio.Event())
+    """Serve `driver` at `address`, one host at a time, until a `Shutdown` request or SIGINT/SIGTERM."""
+    shutdown = anyio.Event()
+    slot = HostSlot()
     kind, where, _ = parse_address(address)
     if kind == "unix" and os.path.exists(where):
         os.unlink(where)  # a stale socket from a previous run
 
-    async def on_connection(conn: Connection) -> None:
-        await serve_connection(driver, conn, state)
+    async def on_connection(conn: ProtocolConnection) -> None:
+        await serve_host(driver, conn, slot, shutdown)
 
     try:
         async with anyio.create_task_group() as tg:
@@ -198,18 +283,18 @@ async def serve(driver: Driver, address: str, max_frame_bytes: int = DEFAULT_MAX
                     address, on_connection, max_frame_bytes, ready=lambda: log.info("listening on %s", address)
                 )
             )
-            tg.start_soon(_watch_signals, state)
-            await state.shutdown.wait()
+            tg.start_soon(_watch_signals, shutdown)
+            await shutdown.wait()
             tg.cancel_scope.cancel()
     finally:
         if kind == "unix" and os.path.exists(where):
             os.unlink(where)
 
 
-async def _watch_signals(state: _ServeState) -> None:
+async def _watch_signals(shutdown: anyio.Event) -> None:
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for _ in signals:
-            state.shutdown.set()
+            shutdown.set()
             return
 
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from bridge_schema.transport import DRIVER_BUSY
 from host import kept_drivers
 from host.driver_link import BUILTIN_DRIVERS
 from host.driver_process import split_driver
 from host.engine import Engine, EngineConfig, ReplicatedEngine
+from host.errors import DriverFailed
 
 
 def engine_configs(ns: argparse.Namespace, say: Callable[[str], None]) -> list[EngineConfig]:
@@ -39,7 +41,13 @@ def fresh_configs(ns: argparse.Namespace, configs: list[EngineConfig]) -> list[E
 def start_engine(ns: argparse.Namespace, say: Callable[[str], None]) -> Engine | ReplicatedEngine:
     """One engine on `--driver`, or replicas when it is given more than once (fresh drivers)."""
     configs = engine_configs(ns, say)
-    return Engine.start(configs[0]) if len(configs) == 1 else ReplicatedEngine.start(configs)
+    try:
+        return Engine.start(configs[0]) if len(configs) == 1 else ReplicatedEngine.start(configs)
+    except DriverFailed as exc:
+        if exc.code == DRIVER_BUSY and any(fresh is not None for fresh in fresh_configs(ns, configs)):
+            hint = "`--fresh-driver` starts a driver for this run alone"
+            raise DriverFailed(f"{exc}; {hint}", exc.status, exc.code) from None
+        raise
 
 
 def _kept_or_fresh(ns: argparse.Namespace, driver: str, say: Callable[[str], None]) -> str:

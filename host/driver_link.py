@@ -25,7 +25,7 @@ import anyio
 from bridge_schema.client import Client
 from bridge_schema.errors import BridgeError, RemoteError
 from bridge_schema.messages import Ack, Handshake, Hello, Message, Shutdown
-from bridge_schema.transport import Connection, connect, loopback_pair, parse_address
+from bridge_schema.transport import DRIVER_BUSY, Connection, connect, loopback_pair, parse_address
 from host.driver_process import driver_argv, output_tail, owned_driver_env, socket_path, stop_process
 from host.errors import DriverFailed, InvalidRequest
 
@@ -120,6 +120,8 @@ async def _handshaken(conn: Connection, spec: DriverSpec, description: str) -> A
         except TimeoutError:
             raise DriverFailed(f"driver {description} sent no handshake in {spec.startup_timeout_s:g} s") from None
         except RemoteError as exc:
+            if exc.code == DRIVER_BUSY:  # its message names the host that holds the driver
+                raise DriverFailed(f"the driver at {description} is busy: {exc.detail}", exc.status, exc.code) from None
             raise DriverFailed(f"driver {description} refused the hello: {exc}", exc.status, exc.code) from None
         except BridgeError as exc:
             raise DriverFailed(f"handshake with driver {description} failed: {exc}") from None

@@ -1,6 +1,6 @@
 """`wafer driver start NAME`: a driver kept running for later runs, which connect to it instead
-of starting their own (for torch, that skips the model load); status, stop, and a kept driver
-that died is forgotten."""
+of starting their own (for torch, that skips the model load); status, stop, a kept driver that
+died is forgotten, and a second host is refused while one is served, its user told by whom."""
 
 from __future__ import annotations
 
@@ -13,9 +13,14 @@ from pathlib import Path
 import pytest
 
 from host import kept_drivers
+from host.build import build
 from host.cli import EXIT_FAILED, EXIT_OK, main
+from host.engine import Engine, EngineConfig
 from host.errors import DriverFailed
+from host.sandbox import Sandbox
 from host.sandbox.config import default_cache_dir
+
+TORCH_ARGS = ("--threads", "1", "--num-pages", "256", "--dtype", "float32")
 
 
 @pytest.fixture()
@@ -28,7 +33,8 @@ def cache(tmp_path: Path) -> Iterator[Path]:
         (shared / part).mkdir(parents=True, exist_ok=True)
         (root / part).symlink_to(shared / part)
     yield root
-    kept_drivers.stop(root, "dummy")
+    for name in ("dummy", "torch"):
+        kept_drivers.stop(root, name)
 
 
 def test_runs_use_the_kept_driver_until_it_is_stopped(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -93,3 +99,44 @@ def test_dev_engines_fall_back_to_a_fresh_driver_of_the_kept_kind(cache: Path) -
     assert fresh[0] is not None and fresh[0].driver == "dummy" and fresh[0].driver_args == ("--num-pages", "9")
     own = parser.parse_args([*argv, "--fresh-driver"])
     assert fresh_configs(own, engine_configs(own, lambda _: None)) == [None]  # no kept driver in use: no fallback
+
+
+def test_a_second_run_is_told_who_holds_the_kept_driver(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    kept = kept_drivers.start(cache, "dummy", "drivers.dummy")
+    with Engine.start(EngineConfig(driver=kept.address)):  # a host holding the kept driver
+        assert main(["--cache-dir", str(cache), "run", "hello", "--no-stdin"]) == EXIT_FAILED
+        err = capsys.readouterr().err
+        assert f"wafer: error: the driver at {kept.address} is busy: " in err
+        assert f"another host holds it: pid {os.getpid()} (" in err and "--fresh-driver" in err
+    assert main(["--cache-dir", str(cache), "run", "hello", "--no-stdin"]) == EXIT_OK  # served once it left
+    assert capsys.readouterr().out.startswith("Hello, world! This is dummy.")
+
+
+def test_two_hosts_on_a_kept_torch_driver(cache: Path, cache_dir: Path, sandbox: Sandbox) -> None:
+    """The acceptance test of one host at a time: while host A runs, host B is refused, and A's
+    greedy output is its output alone; once A has left, B is served and gets its own alone too."""
+    kept = kept_drivers.start(cache, "torch", "drivers.torch", TORCH_ARGS, timeout_s=300)
+    config = EngineConfig(driver=kept.address, page_size=16, speculation_depth=1, startup_timeout_s=300)
+    component = sandbox.load(build("text_completion", cache_dir).wasm_path)
+    args_a = ["--prompt", "The capital of France is", "--max-tokens", "12"]
+    args_b = ["--prompt", "My favourite animal is the cat, because", "--max-tokens", "8"]
+
+    def alone(args: list[str]) -> str:
+        with Engine.start(config) as engine:
+            outcome = sandbox.run(component, engine, args)
+        assert outcome.is_ok, outcome.error
+        return outcome.output
+
+    a_alone, b_alone = alone(args_a), alone(args_b)
+    refusal: DriverFailed | None = None
+    with Engine.start(config) as host_a:
+        run_a = sandbox.start(component, host_a, args_a)
+        try:
+            with Engine.start(config) as host_b:  # refused; without the guard, a second run on A's pages
+                sandbox.run(component, host_b, args_b)
+        except DriverFailed as exc:
+            refusal = exc
+        outcome_a = run_a.wait()
+    assert outcome_a.is_ok and outcome_a.output == a_alone
+    assert refusal is not None and f"another host holds it: pid {os.getpid()} (" in str(refusal)
+    assert alone(args_b) == b_alone  # served once A has left, on pages A and the others wrote

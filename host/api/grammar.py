@@ -1,4 +1,5 @@
-"""`wafer:inferlet/grammar`: the `grammar` and `matcher` resources over `host.grammar`.
+"""`wafer:inferlet/grammar`: the `grammar` and `matcher` resources over `host.grammar`, and what
+one run may hold of them.
 
 Grammars compile through the engine's compiler (one per driver, cached); matchers live here, on
 the host, and `forward-pass.use-matcher` fills a row's logit mask from one when its pass runs.
@@ -7,7 +8,8 @@ the host, and `forward-pass.use-matcher` fills a row's logit mask from one when 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import threading
+import weakref
 from typing import TYPE_CHECKING, cast
 
 import wasmtime
@@ -15,13 +17,26 @@ from wasmtime.component import LinkerInstance, ResourceAny, ResourceHost, Resour
 
 from host.api.host_call import borrowed_rep, error_text, host_function
 from host.errors import HostError
-from host.sandbox.resources import ResourceKind
+from host.sandbox.config import MIB
+from host.sandbox.outcome import RunStatus
+from host.sandbox.resources import ResourceKind, ResourceTable
 from host.sandbox.run_state import RunState, current_or_none
 
 if TYPE_CHECKING:  # host.grammar imports xgrammar (and torch): only runs that use grammars pay
     from host.grammar import Grammar, Matcher
+    from host.grammar.history import HistoryBudget
 
 INTERFACE = "grammar"
+
+# What one run may hold through this interface: host memory outside its memory cap. Grammar
+# handles keep their compiled grammar alive after the shared cache dropped it (one may take
+# grammar_max_mib), so the distinct grammars a run holds are bounded by their bytes as well.
+MAX_RUN_GRAMMARS = 64
+MAX_RUN_GRAMMAR_BYTES = 256 * MIB
+MAX_RUN_MATCHERS = 256
+# Accepted tokens a run's matchers hold together (host.grammar.history): 0.05-1.5 kB each on
+# xgrammar (measured), so up to about 200 MB; a run of 400,000 accepts and 80 forks took 2.1 GiB.
+MAX_RUN_MATCHER_TOKENS = 131_072
 
 # WIT kinds are kebab-case; host.grammar's are snake_case.
 _KINDS = {
@@ -32,6 +47,78 @@ _KINDS = {
     "ebnf": "ebnf",
     "tool-call": "tool_call",
 }
+
+
+class _RunHoldings:
+    """What one run holds through this interface, checked against the MAX_RUN_* bounds."""
+
+    def __init__(self, history: HistoryBudget) -> None:
+        self.history = history
+        self.num_matchers = 0
+        self.num_grammars = 0
+        self.grammar_bytes = 0  # of the distinct grammars behind the handles
+        self._handles_of: dict[int, int] = {}  # id(grammar) -> the run's live handles to it
+
+    def grammars_full(self) -> str | None:
+        """The error text when the run may take no more grammar handles, else None."""
+        if self.num_grammars < MAX_RUN_GRAMMARS:
+            return None
+        return (
+            f"grammar limit exceeded: the run holds {self.num_grammars} grammars, the most a run may; "
+            "drop grammars you are done with"
+        )
+
+    def take_grammar(self, grammar: Grammar) -> str | None:
+        """Count a new handle to `grammar`; the error text (nothing counted) past a bound."""
+        if (full := self.grammars_full()) is not None:
+            return full
+        is_new = id(grammar) not in self._handles_of
+        if is_new and self.grammar_bytes + grammar.memory_bytes > MAX_RUN_GRAMMAR_BYTES:
+            return (
+                f"grammar limit exceeded: the run's grammars would take {self.grammar_bytes + grammar.memory_bytes} "
+                f"bytes, more than the {MAX_RUN_GRAMMAR_BYTES} a run may hold; drop grammars you are done with"
+            )
+        self._handles_of[id(grammar)] = self._handles_of.get(id(grammar), 0) + 1
+        self.grammar_bytes += grammar.memory_bytes if is_new else 0
+        self.num_grammars += 1
+        return None
+
+    def drop_grammar(self, grammar: Grammar) -> None:
+        left = self._handles_of.pop(id(grammar)) - 1
+        if left:
+            self._handles_of[id(grammar)] = left
+        else:
+            self.grammar_bytes -= grammar.memory_bytes
+        self.num_grammars -= 1
+
+    def check_matcher_room(self, run: RunState) -> None:
+        """Before a new matcher: past the bound the run ends (a constructor has no error result)."""
+        if self.num_matchers >= MAX_RUN_MATCHERS:
+            raise run.stop(
+                f"grammar limit exceeded: the run holds {self.num_matchers} matchers, the most a run may "
+                "(release matchers you are done with)",
+                RunStatus.LIMIT_EXCEEDED,
+            )
+
+
+# Keyed by the run's resource table (RunState cannot be weakly referenced): gone with the run.
+_holdings: weakref.WeakKeyDictionary[ResourceTable, _RunHoldings] = weakref.WeakKeyDictionary()
+_holdings_lock = threading.Lock()
+
+
+def _holdings_of(run: RunState) -> _RunHoldings:
+    with _holdings_lock:
+        held = _holdings.get(run.resources)
+        if held is None:
+            from host.grammar.history import HistoryBudget
+
+            held = _holdings[run.resources] = _RunHoldings(HistoryBudget(MAX_RUN_MATCHER_TOKENS))
+        return held
+
+
+def _limit_stop(run: RunState, exc: HostError) -> wasmtime.WasmtimeError:
+    """The run ends with `exc`'s message (a bound it passed) as its reason."""
+    return run.stop(error_text(exc), RunStatus.LIMIT_EXCEEDED)
 
 
 def matcher_by_rep(run: RunState, rep: int) -> Matcher:
@@ -56,11 +143,19 @@ def compile_grammar(run: RunState, kind: str, text: str, options: str) -> Resour
         return f"grammar options are not JSON: {exc}"
     if not isinstance(parsed, dict):
         return "grammar options must be a JSON object"
+    held = _holdings_of(run)
+    if (full := held.grammars_full()) is not None:  # before a compile: it may take seconds
+        return full
     try:
         # Waits in slices: cancellation and the wall clock stop the run during a long compile.
-        grammar = run.services.grammars().compile(_KINDS[kind], text, parsed, may_wait=run.check_can_continue)
+        grammar = run.services.grammars().compile(
+            _KINDS[kind], text, parsed, may_wait=run.check_can_continue, owner=f"run {run.run_id}"
+        )
     except HostError as exc:  # grammar errors are HostErrors
         return error_text(exc)
+    problem = held.take_grammar(grammar)
+    if problem is not None:
+        return problem
     return ResourceHost.own(run.resources.add(ResourceKind.GRAMMAR, grammar), int(ResourceKind.GRAMMAR))
 
 
@@ -71,7 +166,11 @@ def unsupported(run: RunState, handle: ResourceAny) -> list[str]:
 
 @host_function
 def new_matcher(run: RunState, grammar: ResourceAny) -> ResourceHost:
-    matcher = _grammar(run, grammar).matcher()
+    compiled = _grammar(run, grammar)
+    held = _holdings_of(run)
+    held.check_matcher_room(run)
+    matcher = compiled.matcher(held.history)
+    held.num_matchers += 1
     return ResourceHost.own(run.resources.add(ResourceKind.MATCHER, matcher), int(ResourceKind.MATCHER))
 
 
@@ -84,8 +183,12 @@ def matcher_id(run: RunState, handle: ResourceAny) -> int:
 
 @host_function
 def accept(run: RunState, handle: ResourceAny, token: int) -> bool:
+    from host.grammar import GrammarLimitExceeded
+
     try:
         return _matcher(run, handle).accept(token)
+    except GrammarLimitExceeded as exc:
+        raise _limit_stop(run, exc) from None
     except HostError:
         return False  # a token id outside the vocabulary is simply not accepted
 
@@ -111,22 +214,35 @@ def reset(run: RunState, handle: ResourceAny) -> None:
 
 @host_function
 def fork(run: RunState, handle: ResourceAny) -> ResourceHost:
-    copy = _matcher(run, handle).fork()
+    from host.grammar import GrammarLimitExceeded
+
+    original = _matcher(run, handle)
+    held = _holdings_of(run)
+    held.check_matcher_room(run)
+    try:
+        copy = original.fork()
+    except GrammarLimitExceeded as exc:  # the run's history budget: fork has no error result
+        raise _limit_stop(run, exc) from None
+    held.num_matchers += 1
     return ResourceHost.own(run.resources.add(ResourceKind.MATCHER, copy), int(ResourceKind.MATCHER))
 
 
-def _drop_kind(kind: ResourceKind) -> Callable[[wasmtime.StoreContext, int], None]:
-    def drop(_store: wasmtime.StoreContext, rep: int) -> None:
-        run = current_or_none()
-        if run is not None:
-            run.resources.remove(kind, rep)
+def _drop_grammar(_store: wasmtime.StoreContext, rep: int) -> None:
+    run = current_or_none()
+    if run is not None and (grammar := run.resources.remove(ResourceKind.GRAMMAR, rep)) is not None:
+        _holdings_of(run).drop_grammar(cast("Grammar", grammar))
 
-    return drop
+
+def _drop_matcher(_store: wasmtime.StoreContext, rep: int) -> None:
+    run = current_or_none()
+    if run is not None and (matcher := run.resources.remove(ResourceKind.MATCHER, rep)) is not None:
+        cast("Matcher", matcher).release()
+        _holdings_of(run).num_matchers -= 1
 
 
 def register(instance: LinkerInstance) -> None:
-    instance.add_resource("grammar", ResourceType.host(int(ResourceKind.GRAMMAR)), _drop_kind(ResourceKind.GRAMMAR))
-    instance.add_resource("matcher", ResourceType.host(int(ResourceKind.MATCHER)), _drop_kind(ResourceKind.MATCHER))
+    instance.add_resource("grammar", ResourceType.host(int(ResourceKind.GRAMMAR)), _drop_grammar)
+    instance.add_resource("matcher", ResourceType.host(int(ResourceKind.MATCHER)), _drop_matcher)
     instance.add_func("[static]grammar.compile", compile_grammar)
     instance.add_func("[method]grammar.unsupported", unsupported)
     instance.add_func("[constructor]matcher", new_matcher)

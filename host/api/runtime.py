@@ -2,13 +2,34 @@
 
 from __future__ import annotations
 
+import threading
+import weakref
+from dataclasses import dataclass
+
 from wasmtime.component import LinkerInstance
 
 from host.api.host_call import host_function
+from host.sandbox.config import MIB
+from host.sandbox.run_io import RunIO, utf8_len
 from host.sandbox.run_state import RunState
 
 INTERFACE = "runtime"
 _POLL_S = 0.1
+# What one run may write to the host's log through `log` (UTF-8 bytes): the host keeps its log
+# on disk or a terminal, outside any run's budget (a loop of `log` wrote 1 GiB in 2.9 s). Past
+# it lines are dropped, and one line says so.
+MAX_RUN_LOG_BYTES = 1 * MIB
+
+
+@dataclass(slots=True)
+class _LogBudget:
+    num_bytes: int = 0  # logged so far
+    is_cut: bool = False  # lines were dropped (and the host's log said so)
+
+
+# Keyed by the run's conversation (one per run; RunState cannot be weakly referenced).
+_log_budgets: weakref.WeakKeyDictionary[RunIO, _LogBudget] = weakref.WeakKeyDictionary()
+_log_budgets_lock = threading.Lock()
 
 
 @host_function
@@ -46,7 +67,20 @@ def receive(run: RunState) -> str | None:
 
 @host_function
 def log(run: RunState, level: str, message: str) -> None:
-    run.io.log(run.run_id, level, message)
+    with _log_budgets_lock:
+        budget = _log_budgets.setdefault(run.io, _LogBudget())
+    size = utf8_len(message)
+    if budget.num_bytes + size <= MAX_RUN_LOG_BYTES:
+        budget.num_bytes += size
+        run.io.log(run.run_id, level, message)
+    elif not budget.is_cut:
+        budget.is_cut = True
+        run.io.log(
+            run.run_id,
+            "warning",
+            f"log limit reached: the run logged {budget.num_bytes} bytes, and a run may log {MAX_RUN_LOG_BYTES}; "
+            "its later lines are dropped",
+        )
 
 
 @host_function

@@ -73,7 +73,10 @@ def prepare_chat(
     grammars: GrammarSource,
     *,
     json_object_requires_json_word: bool = False,
+    owner: str | None = None,
 ) -> Job:
+    """`owner`: the API key's id, whose compiles get at most their share of the compile
+    workers (host.grammar.GrammarCompiler.compile)."""
     _check_unsupported_sampling(req.frequency_penalty, req.presence_penalty, req.logit_bias)
     grammar = _check_response_format(req, json_object_requires_json_word)
     tools_grammar, tool_call = _check_tools(req)
@@ -81,7 +84,7 @@ def prepare_chat(
         raise BadRequest("response_format and tools cannot both constrain the output; use one", param="response_format")
     grammar = grammar or tools_grammar
     if grammar is not None:
-        _compile(grammars, grammar)
+        _compile(grammars, grammar, owner)
     if (
         req.max_tokens is not None
         and req.max_completion_tokens is not None
@@ -275,12 +278,12 @@ def _check_response_format(req: ChatCompletionRequest, requires_json_word: bool)
     return None
 
 
-def _compile(grammars: GrammarSource, grammar: dict[str, Any]) -> None:
+def _compile(grammars: GrammarSource, grammar: dict[str, Any], owner: str | None) -> None:
     """Compile now (it is cached for the chat inferlet's own compile): a schema the grammar
     engine refuses is a 400 before any generation starts."""
     param = "tools" if grammar["kind"] == "tool-call" else "response_format"
     try:
-        grammars().compile(grammar["kind"].replace("-", "_"), grammar["text"], grammar["options"])
+        grammars().compile(grammar["kind"].replace("-", "_"), grammar["text"], grammar["options"], owner=owner)
     except FeatureUnavailable as exc:
         raise BadRequest(str(exc), param=param, code="grammar_unavailable") from None
     except HostError as exc:

@@ -14,7 +14,9 @@ from __future__ import annotations
 from host.grammar.compiler import GrammarCompiler
 from host.grammar.errors import (
     CompileBudgetExceeded,
+    CompileFailed,
     GrammarError,
+    GrammarLimitExceeded,
     GrammarTooLarge,
     InvalidEBNF,
     InvalidGrammar,
@@ -34,10 +36,12 @@ __all__ = [
     "KINDS",
     "OPTIONS",
     "CompileBudgetExceeded",
+    "CompileFailed",
     "Grammar",
     "GrammarCompiler",
     "GrammarError",
     "GrammarKey",
+    "GrammarLimitExceeded",
     "GrammarTooLarge",
     "InvalidEBNF",
     "InvalidGrammar",

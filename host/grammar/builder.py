@@ -20,7 +20,7 @@ from host.grammar.grammar import Grammar, GrammarKey
 from host.grammar.json_grammar import json_schema_grammar
 from host.grammar.limits import MAX_SCHEMA_DEPTH, check_schema_size
 from host.grammar.options import ERRORS, Option
-from host.grammar.schema_coverage import unsupported_features
+from host.grammar.schema_coverage import outside_refs, unsupported_features
 from host.grammar.schema_one_of import exclusive_one_of_as_any_of
 from host.grammar.tokenizer_info import TokenizerSpec, token_table, tokenizer_info
 from host.grammar.utf8_guard import Utf8Guard
@@ -68,13 +68,30 @@ class GrammarBuilder:
             raise
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError/pydantic errors alike
             raise ERRORS[key.kind](_engine_message(exc)) from None
+        return self._grammar(key, compiled, unsupported, time.perf_counter() - start)
+
+    @staticmethod
+    def portable(grammar: Grammar) -> str | None:
+        """What another process rebuilds `grammar` from cheaply: llguidance's checked grammar
+        text. None for xgrammar's, which is compiled again there instead: its only portable
+        form (JSON) takes longer to write and read than the compile (147 MB and 16 s for a
+        3 MB grammar that compiles in 7 s, measured)."""
+        return grammar.compiled.grammar if isinstance(grammar.compiled, llg_backend.CompiledLLG) else None
+
+    def rebuild(self, key: GrammarKey, text: str, unsupported: tuple[str, ...], compile_time_s: float) -> Grammar:
+        """The llguidance grammar `portable` gave, for a builder of the same tokenizer."""
+        tokenizer = llg_backend.tokenizer(self.tokenizer)
+        compiled = llg_backend.CompiledLLG(tokenizer, text, self.tokenizer.stop_token_ids)
+        return self._grammar(key, compiled, unsupported, compile_time_s)
+
+    def _grammar(self, key: GrammarKey, compiled: Compiled, unsupported: tuple[str, ...], time_s: float) -> Grammar:
         return Grammar(
             key,
             compiled,
             self.tokenizer.vocab_size,
             self.tokenizer.stop_token_ids,
             unsupported,
-            time.perf_counter() - start,
+            time_s,
             self._utf8_guard,
             llg_backend.BACKEND if isinstance(compiled, llg_backend.CompiledLLG) else "xgrammar",
         )
@@ -97,6 +114,8 @@ class GrammarBuilder:
                 if backend == "llguidance":
                     raise UnsupportedSchema((), str(exc)) from None
                 refusal = str(exc)
+        if outside := outside_refs(features):
+            raise UnsupportedSchema(outside, refusal)
         schema, relaxed = schema_support.relax_max_length(schema, int(options["max_length_limit"]))
         unsupported = tuple(sorted(features + relaxed))
         if unsupported and options["reject_unsupported"]:
@@ -126,6 +145,9 @@ class GrammarBuilder:
                 if backend == "llguidance":
                     raise UnsupportedSchema((), str(exc)) from None
                 refusal = str(exc)
+        outside = [f"{f} in tool {tool.name!r}" for tool, _, features in prepared for f in outside_refs(features)]
+        if outside:
+            raise UnsupportedSchema(tuple(outside), refusal)
         arguments: list[xgr.Grammar] = []
         unsupported: list[str] = []
         for tool, schema, features in prepared:

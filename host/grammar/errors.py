@@ -10,7 +10,9 @@
     │   ├── CompileBudgetExceeded  compiling took longer than the compiler's budget
     │   └── GrammarTooLarge      the compiled grammar takes more memory than its budget
     ├── TokenizerUnsupported     the driver's tokenizer cannot be turned into a token table
-    └── MatcherError             a matcher call with bad arguments (token id, rollback depth, mask)
+    ├── MatcherError             a matcher call with bad arguments (token id, rollback depth, mask)
+    ├── GrammarLimitExceeded     a run would hold more grammars, matchers or parse history than its bound
+    └── CompileFailed            the process compiling a grammar ended without a result (it crashed)
 
 Messages name the problem and where it is, so an HTTP layer can return them as a 4xx as they are.
 """
@@ -68,13 +70,14 @@ class InvalidToolCall(InvalidGrammar):
 
 
 class CompileBudgetExceeded(InvalidGrammar):
-    """The compile took longer than the budget (it goes on in the background and is cached)."""
+    """The compile (waiting for a worker included) took longer than the budget; it was stopped
+    (host.grammar.compiler says when it could not be, and goes on to be cached)."""
 
     def __init__(self, kind: str, budget_s: float) -> None:
         super().__init__(
             kind,
             f"compiling it took longer than this host's budget of {budget_s:g} s (grammar_compile_budget_s); "
-            "simplify the grammar, or retry later (the compile goes on, and its result is kept)",
+            "simplify the grammar, or retry when the host is less busy",
         )
         self.budget_s = budget_s
 
@@ -98,3 +101,17 @@ class TokenizerUnsupported(GrammarError):
 
 class MatcherError(GrammarError):
     """A matcher call whose arguments are wrong; the matcher's state is unchanged."""
+
+
+class GrammarLimitExceeded(GrammarError):
+    """A run asked for more grammars, matchers or matcher history than one run may hold; nothing
+    was created or accepted. The message names the limit and what frees room."""
+
+
+class CompileFailed(GrammarError):
+    """The child process compiling a grammar died without an answer (out of memory, a crash in an
+    engine); the grammar is not kept."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(f"compiling the {kind} grammar failed: {reason}")
+        self.kind = kind

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import xgrammar as xgr
 
+from host.grammar.history import HistoryBudget
 from host.grammar.llg_backend import CompiledLLG, LLGState
 from host.grammar.matcher import Matcher
 from host.grammar.utf8_guard import Utf8Guard
@@ -54,8 +55,9 @@ class Grammar:
 
     backend: str = "xgrammar"
 
-    def matcher(self) -> Matcher:
-        return Matcher(self)
+    def matcher(self, budget: HistoryBudget | None = None) -> Matcher:
+        """A fresh matcher; its parse history is charged to `budget` when given."""
+        return Matcher(self, budget=budget)
 
     @property
     def memory_bytes(self) -> int:

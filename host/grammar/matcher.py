@@ -2,7 +2,8 @@
 over either engine's state (xgrammar's GrammarMatcher or host.grammar.llg_backend.LLGState).
 
 Owned by one run's thread (not locked). Knows the bridge's logit-mask layout: uint32 words,
-ceil(vocab/32) of them, bit j of word i allows token 32*i + j (little-endian bit order).
+ceil(vocab/32) of them, bit j of word i allows token 32*i + j (little-endian bit order). Its parse
+history is charged to a HistoryBudget when it has one (host.grammar.history says why and how).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from host.grammar.errors import MatcherError
 
 if TYPE_CHECKING:
     from host.grammar.grammar import Grammar
+    from host.grammar.history import HistoryBudget
     from host.grammar.llg_backend import LLGState
 
 
@@ -33,14 +35,22 @@ def allocate_bitmask(vocab_size: int) -> npt.NDArray[np.uint32]:
 class Matcher:
     """Accepts tokens one at a time; rolls back; says which tokens may come next."""
 
-    def __init__(self, grammar: Grammar, _state: xgr.GrammarMatcher | LLGState | None = None) -> None:
+    def __init__(
+        self,
+        grammar: Grammar,
+        _state: xgr.GrammarMatcher | LLGState | None = None,
+        *,
+        budget: HistoryBudget | None = None,
+    ) -> None:
         self.grammar = grammar
         self.vocab_size = grammar.vocab_size
         self.num_words = bitmask_words(grammar.vocab_size)
         self._state = grammar.new_state() if _state is None else _state
         self._num_accepted = 0
-        # Per accepted token: did it end with a dangling ED lead byte (host.grammar.utf8_guard)?
-        self._ends_with_lead: list[bool] = []
+        # Per accepted token, 1 if it ended with a dangling ED lead byte (host.grammar.utf8_guard).
+        self._ends_with_lead = bytearray()
+        self._budget = budget
+        self._num_charged = 0  # tokens of history charged to the budget (the most ever held)
 
     @property
     def num_accepted(self) -> int:
@@ -58,13 +68,19 @@ class Matcher:
         if self._state.is_terminated():
             return False
         guard = self.grammar.utf8_guard
-        if guard is not None and guard.refuses(token_id, bool(self._ends_with_lead) and self._ends_with_lead[-1]):
+        if guard is not None and guard.refuses(token_id, self._after_lead()):
             return False  # a surrogate, which xgrammar would take for a character
+        if self._budget is not None and self._num_accepted == self._num_charged:
+            self._budget.charge(1)  # raises past the budget, before the engine grows its history
+            self._num_charged += 1
         accepted = bool(self._state.accept_token(token_id))
         if accepted:
             self._num_accepted += 1
             self._ends_with_lead.append(guard is not None and bool(guard.ends_with_lead[token_id]))
         return accepted
+
+    def _after_lead(self) -> bool:
+        return bool(self._ends_with_lead) and bool(self._ends_with_lead[-1])
 
     def accept_tokens(self, token_ids: list[int]) -> int:
         """Accept tokens in order until one is refused; returns how many were accepted."""
@@ -110,7 +126,7 @@ class Matcher:
         is_constrained = bool(self._state.fill_next_token_bitmask(out.view(np.int32)))
         guard = self.grammar.utf8_guard
         if guard is not None:
-            after_lead = bool(self._ends_with_lead) and self._ends_with_lead[-1]
+            after_lead = self._after_lead()
             if not is_constrained and (after_lead or not guard.is_noop):
                 out.fill(0xFFFFFFFF)  # "everything allowed" need not have been written out
             is_constrained = guard.apply(out, after_lead) or is_constrained
@@ -131,8 +147,24 @@ class Matcher:
         self._ends_with_lead.clear()
 
     def fork(self) -> Matcher:
-        """An independent matcher in the same state (for a forked context)."""
-        twin = Matcher(self.grammar, self._state.fork())
-        twin._num_accepted = self._num_accepted
-        twin._ends_with_lead = list(self._ends_with_lead)
+        """An independent matcher in the same state (for a forked context), charged to the same
+        budget for the history it copies."""
+        if self._budget is not None:
+            self._budget.charge(self._num_accepted)
+        try:
+            twin = Matcher(self.grammar, self._state.fork(), budget=self._budget)
+        except BaseException:
+            if self._budget is not None:
+                self._budget.refund(self._num_accepted)
+            raise
+        twin._num_accepted = twin._num_charged = self._num_accepted
+        twin._ends_with_lead = bytearray(self._ends_with_lead)
         return twin
+
+    def release(self) -> None:
+        """Give this matcher's charge back to its budget (it is being dropped: do not use it
+        after). A second release gives nothing more back."""
+        if self._budget is not None:
+            self._budget.refund(self._num_charged)
+        self._num_charged = 0
+        self._budget = None

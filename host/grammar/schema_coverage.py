@@ -80,6 +80,8 @@ _EXCLUSIVE = ("anyOf", "oneOf", "enum", "const", "$ref")
 # Keywords xgrammar parses past without constraining the output at all.
 _IGNORED = (
     "not",
+    "$dynamicRef",
+    "$recursiveRef",
     "if",
     "dependencies",
     "dependentRequired",
@@ -88,6 +90,12 @@ _IGNORED = (
     "minContains",
     "maxContains",
 )
+
+
+# How a `$ref` to another document is listed: neither engine has that document (this host fetches
+# nothing; llguidance resolves only a `$id` inside the schema), so such a schema is never compiled
+# with it unenforced (host.grammar.builder refuses it whatever `reject_unsupported` says).
+OUTSIDE_REF = "outside the schema"
 
 
 def unsupported_features(schema: Any, strict: bool) -> tuple[str, ...]:
@@ -118,6 +126,10 @@ def _node_features(
             if key in node:
                 yield f"{key} without type"
     yield from _ignored_siblings(node, ref_siblings_ignored)
+    ref = node.get("$ref")
+    # xgrammar follows "#" and "#/pointer" only; any other reference compiled as any JSON.
+    if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
+        yield f"$ref {ref!r} ({'an anchor' if ref.startswith('#') else OUTSIDE_REF})"
     for key in _IGNORED:
         if key in node:
             yield key
@@ -150,6 +162,11 @@ def _node_features(
     required = node.get("required")
     if isinstance(required, list) and any(name not in (declared or {}) for name in required):
         yield "required (a name not in properties)"
+
+
+def outside_refs(features: tuple[str, ...]) -> tuple[str, ...]:
+    """The `$ref`s to other documents among `features` (of `unsupported_features`)."""
+    return tuple(f for f in features if f.startswith("$ref ") and f"({OUTSIDE_REF})" in f)
 
 
 def _ignored_siblings(node: dict[str, Any], ref_siblings_ignored: bool) -> Iterator[str]:

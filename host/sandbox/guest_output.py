@@ -1,5 +1,5 @@
-"""Guest stdout/stderr, cut into lines and logged with the run id; stderr is also kept so that a
-trap's report can show the guest's own traceback.
+"""Guest stdout/stderr, cut into lines and logged with the run id (each stream up to a bound); the
+end of stderr is also kept so that a trap's report can show the guest's own traceback.
 
 WASI writes a guest's output from wasmtime's own (tokio) threads. Through a Python callback
 (`WasiConfig.stdout_custom`) such a write can come while the interpreter exits, and the thread
@@ -17,6 +17,10 @@ _log = logging.getLogger("wafer.guest")
 
 # Enough for a Python traceback; a guest printing without bound must not grow host memory.
 MAX_KEPT_BYTES = 64 * 1024
+# What one stream of one run may write to the host's log: a guest printing without bound must not
+# fill it either. Past it the stream's lines are dropped (one line says so); the kept end of
+# stderr still follows the guest to its last byte.
+MAX_LOGGED_BYTES = 1024 * 1024
 
 
 class GuestStream:
@@ -26,6 +30,8 @@ class GuestStream:
         self._keep = keep
         self._partial = b""
         self._kept = bytearray()
+        self._num_logged = 0  # bytes of lines logged
+        self._is_cut = False  # lines were dropped past MAX_LOGGED_BYTES
         self._write_fd = -1
         self._reader: threading.Thread | None = None
 
@@ -81,4 +87,14 @@ class GuestStream:
         return self._kept.decode("utf-8", errors="replace")
 
     def _log_line(self, line: bytes) -> None:
-        _log.info("[run %d %s] %s", self._run_id, self._name, line.decode("utf-8", errors="replace"))
+        if self._num_logged + len(line) <= MAX_LOGGED_BYTES:
+            self._num_logged += len(line)
+            _log.info("[run %d %s] %s", self._run_id, self._name, line.decode("utf-8", errors="replace"))
+        elif not self._is_cut:
+            self._is_cut = True
+            _log.warning(
+                "[run %d %s] output limit for the host's log reached (%d bytes a stream); later lines are not logged",
+                self._run_id,
+                self._name,
+                MAX_LOGGED_BYTES,
+            )

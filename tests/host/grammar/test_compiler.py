@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import threading
 import time
 from typing import Any
@@ -23,6 +24,7 @@ from host.grammar import (
     InvalidToolCall,
     TokenizerSpec,
     UnsupportedSchema,
+    compile_process,
 )
 
 
@@ -221,12 +223,78 @@ def test_grammars_too_big_to_compile_quickly_are_refused_before_compiling(byte_c
 _SLOW = {"type": "string", "maxLength": 4000}
 
 
+_SLOW_OPTIONS: dict[str, Any] = {"max_length_limit": 10**6, "backend": "xgrammar"}
+
+
+def _slower(bound: int) -> str:
+    """A schema of four such bounds: 10 s or more to compile."""
+    return json.dumps({"type": "object", "properties": {f"p{i}": {**_SLOW, "maxLength": bound + i} for i in range(4)}})
+
+
 def _slow(compiler: GrammarCompiler, bound: int = 4000) -> Any:
-    return compiler.json_schema({**_SLOW, "maxLength": bound}, max_length_limit=10**6, backend="xgrammar")
+    return compiler.json_schema({**_SLOW, "maxLength": bound}, **_SLOW_OPTIONS)
 
 
-def test_a_compile_past_the_budget_is_refused_naming_it_and_kept_for_a_retry(smol_spec: TokenizerSpec) -> None:
-    compiler = GrammarCompiler(smol_spec, max_threads=1, compile_budget_s=0.05)
+def _children(pid: int) -> list[int]:
+    """Live (not zombie) processes whose parent is `pid`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def _in_children(spec: TokenizerSpec, **knobs: Any) -> GrammarCompiler:
+    """A compiler whose compiles go to child processes (once the shared helper is ready)."""
+    compiler = GrammarCompiler(spec, max_threads=1, **knobs)
+    compiler.isolate_compiles()
+    assert compile_process.shared().wait_ready_for(spec, 1, 180), "the compile helper did not start"
+    return compiler
+
+
+def test_a_compile_past_the_budget_is_killed_and_its_worker_freed(smol_spec: TokenizerSpec) -> None:
+    compiler = _in_children(smol_spec, compile_budget_s=1.0, compile_workers=1)
+    started = time.monotonic()
+    with pytest.raises(CompileBudgetExceeded, match=r"budget of 1 s \(grammar_compile_budget_s\)"):
+        _slow(compiler)
+    assert time.monotonic() - started < 3
+    # The only worker is free at once, and no CPU goes on the slow compile (seconds more): its
+    # process was killed, not left to run.
+    assert compiler.regex("[a-z]+").kind == "regex"
+    helper = compile_process.shared().helper_pid
+    assert helper is not None
+    deadline = time.monotonic() + 2
+    while _children(helper) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _children(helper) == []
+    assert compiler.cache_len() == 1  # only the regex
+
+
+def test_compiles_are_isolated_once_a_second_owner_compiles_or_one_outruns_the_budget(
+    byte_spec: TokenizerSpec, smol_spec: TokenizerSpec
+) -> None:
+    """One owner alone (a CLI run) keeps its compiles here, without the helper's process."""
+    compiler = GrammarCompiler(byte_spec, max_threads=1)
+    compiler.compile("regex", "a+", owner="run 1")
+    compiler.compile("regex", "b+", owner="run 1")
+    compiler.compile("regex", "c+")  # a trusted caller's
+    assert not compiler.is_isolating
+    compiler.compile("regex", "d+", owner="run 2")
+    assert compiler.is_isolating
+    slow = GrammarCompiler(smol_spec, max_threads=1, compile_budget_s=0.05)
+    with pytest.raises(CompileBudgetExceeded):
+        _slow(slow, 4002)
+    assert slow.is_isolating
+    assert not GrammarCompiler(byte_spec, max_threads=1, compile_in_child=False).is_isolating
+
+
+def test_in_this_process_a_compile_past_the_budget_goes_on_and_is_kept(smol_spec: TokenizerSpec) -> None:
+    compiler = GrammarCompiler(smol_spec, max_threads=1, compile_budget_s=0.05, compile_in_child=False)
     with pytest.raises(CompileBudgetExceeded, match=r"budget of 0.05 s \(grammar_compile_budget_s\)"):
         _slow(compiler)
     deadline = time.monotonic() + 120
@@ -256,7 +324,9 @@ def test_waiting_ends_when_the_caller_must_stop(smol_spec: TokenizerSpec) -> Non
 
 
 def test_no_free_worker_within_the_budget_gives_the_compile_up(smol_spec: TokenizerSpec) -> None:
-    compiler = GrammarCompiler(smol_spec, max_threads=1, compile_budget_s=0.3, compile_workers=1)
+    compiler = GrammarCompiler(
+        smol_spec, max_threads=1, compile_budget_s=0.3, compile_workers=1, compile_in_child=False
+    )
     with pytest.raises(CompileBudgetExceeded):
         _slow(compiler, 4000)  # holds the only worker for seconds
     with pytest.raises(CompileBudgetExceeded):
@@ -268,15 +338,34 @@ def test_no_free_worker_within_the_budget_gives_the_compile_up(smol_spec: Tokeni
     assert compiler.cache_len() == 1  # only the first was compiled
 
 
+def test_one_owner_cannot_take_every_worker(smol_spec: TokenizerSpec) -> None:
+    """Two slow schemas of one owner (an API key, a run) hold one of the two workers between
+    them: another owner's compile starts at once instead of waiting for one to end."""
+    compiler = _in_children(smol_spec, compile_budget_s=5.0, compile_workers=2)
+    assert compiler.compiles_per_owner == 1
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        slow = [
+            pool.submit(compiler.compile, "json_schema", _slower(n), _SLOW_OPTIONS, owner="a") for n in (4000, 5000)
+        ]
+        time.sleep(0.3)  # both are asked for (one compiling, one waiting for its owner's share)
+        started = time.monotonic()
+        compiler.compile("regex", "[0-9]+", owner="b")
+        waited_s = time.monotonic() - started
+        for future in slow:
+            with pytest.raises(CompileBudgetExceeded):
+                future.result()
+    assert waited_s < 2.0, f"the other owner's compile waited {waited_s:.1f} s for a worker"
+
+
 def test_callers_of_one_grammar_share_one_compile(byte_spec: TokenizerSpec) -> None:
     compiler = GrammarCompiler(byte_spec, max_threads=1, compile_budget_s=0)
     builds = []
     build = compiler._build
 
-    def slow_build(key: Any) -> Any:
+    def slow_build(key: Any, deadline_s: float | None) -> Any:
         builds.append(key)
         started.wait(5)  # every caller has asked before this compile ends
-        return build(key)
+        return build(key, deadline_s)
 
     started = threading.Event()
     compiler._build = slow_build  # type: ignore[method-assign]
@@ -304,3 +393,49 @@ def test_the_cache_keeps_within_its_memory(byte_spec: TokenizerSpec) -> None:
     grammars = [compiler.json_schema({"type": "integer", "minimum": i}, backend="xgrammar") for i in range(6)]
     assert compiler.cache_len() < 6 and compiler.cache_bytes() <= 2.5 * one * 1.5  # bounds differ in size a little
     assert compiler.json_schema({"type": "integer", "minimum": 5}, backend="xgrammar") is grammars[5]  # newest kept
+
+
+_ACROSS_PROCESSES: list[tuple[str, str, dict[str, Any], str]] = [
+    ("json_schema", '{"type":"object","properties":{"a":{"type":"integer"}},"required":["a"]}', {}, '{"a":12}'),
+    ("json_schema", '{"type":"object","properties":{"a":{"type":"string","maxLength":40}}}', {}, '{"a":"x"}'),
+    ("json_schema", '{"type":"string","format":"date"}', {}, '"2024-01-31"'),
+    ("json_schema", '{"not":{"type":"string"}}', {}, "1"),  # compiled with `not` listed
+    ("regex", "[a-c]+x", {}, "abx"),
+    ("ebnf", 'root ::= "yes" | "no"', {}, "no"),
+    ("tool_call", '[{"name":"f","parameters":{"type":"object"}}]', {"choice": "auto"}, "hi"),
+    ("json_schema", '{"not":{"type":"string"}}', {"reject_unsupported": True}, ""),
+    ("json_schema", '{"properties":{"a":{"$ref":"http://example.com/a.json"}}}', {}, ""),
+    ("json_schema", "{nope", {}, ""),
+    ("regex", "(?<=a)b", {}, ""),
+    ("ebnf", "root ::= foo", {}, ""),
+    ("tool_call", "[]", {}, ""),
+]
+
+
+@pytest.mark.parametrize(("kind", "text", "options", "sample"), _ACROSS_PROCESSES)
+def test_a_child_process_compiles_what_this_process_would(
+    byte_spec: TokenizerSpec, kind: str, text: str, options: dict[str, Any], sample: str
+) -> None:
+    """The same grammar (engine, unsupported keywords, what it accepts) or the same typed error,
+    whichever process compiled it."""
+    here = GrammarCompiler(byte_spec, max_threads=1, compile_in_child=False)
+    there = _in_children(byte_spec)
+    results = []
+    for compiler in (here, there):
+        try:
+            grammar = compiler.compile(kind, text, options)
+        except GrammarError as exc:
+            results.append((type(exc), str(exc)))
+            continue
+        matcher = grammar.matcher()
+        data = list(sample.encode())
+        results.append((grammar.backend, grammar.unsupported, matcher.accept_tokens(data) == len(data)))
+    assert results[0] == results[1]
+    assert there.cache_len() == (0 if isinstance(results[1][0], type) else 1)
+
+
+def test_a_grammar_too_large_is_refused_in_the_child(byte_spec: TokenizerSpec) -> None:
+    compiler = _in_children(byte_spec, max_grammar_mib=1 / 1024)
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(40)}}
+    with pytest.raises(GrammarTooLarge, match=r"MiB per grammar \(grammar_max_mib\)"):
+        compiler.json_schema(schema, backend="xgrammar")

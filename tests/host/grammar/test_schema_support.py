@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from host.grammar import GrammarCompiler
+from host.grammar import GrammarCompiler, UnsupportedSchema
 from host.grammar.schema_coverage import unsupported_features
 from host.grammar.schema_support import full_match_pattern, normalize
 
@@ -52,6 +52,10 @@ NOT_ENFORCED: list[tuple[str, dict[str, Any], Any]] = [
         "ab",
     ),
     ("required (a name not in properties)", {"type": "object", "required": ["a"]}, {}),
+    # References xgrammar cannot follow compile as any JSON: an anchor, a dynamic reference.
+    ("$ref '#i' (an anchor)", {"$ref": "#i", "$defs": {"i": {"$anchor": "i", "type": "integer"}}}, "x"),
+    ("$dynamicRef", {"$dynamicRef": "#i", "$defs": {"i": {"$dynamicAnchor": "i", "type": "integer"}}}, "x"),
+    ("$recursiveRef", {"$recursiveRef": "#/$defs/i", "$defs": {"i": {"type": "integer"}}}, "x"),
     (
         "patternProperties (ignored beside properties unless strict)",
         {"type": "object", "properties": {"b": {}}, "patternProperties": {"^a": {"type": "string"}}},
@@ -184,3 +188,48 @@ def test_pattern_properties_alone_refuse_other_keys(byte_compiler: GrammarCompil
         "patternProperties (keys matching no pattern are refused) at /",
     )
     assert unsupported_features(normalize(schema), strict=True) == ()
+
+
+_ELSEWHERE = {"type": "object", "properties": {"a": {"$ref": "http://example.com/a.json"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("backend", ["auto", "xgrammar", "llguidance"])
+@pytest.mark.parametrize("reject_unsupported", [False, True])
+def test_a_reference_to_another_document_is_refused_naming_it(
+    byte_compiler: GrammarCompiler, backend: str, reject_unsupported: bool
+) -> None:
+    """This host fetches no schema: a `$ref` elsewhere is never compiled as "anything", even
+    where unsupported keywords would only be listed."""
+    with pytest.raises(UnsupportedSchema) as refused:
+        byte_compiler.json_schema(_ELSEWHERE, backend=backend, reject_unsupported=reject_unsupported)
+    if backend == "llguidance":  # its own words, naming the document
+        assert "http://example.com/a.json" in str(refused.value)
+    else:
+        assert refused.value.features == ("$ref 'http://example.com/a.json' (outside the schema) at /properties/a",)
+    relative = {"$ref": "defs.json#/a"}
+    with pytest.raises(UnsupportedSchema, match=r"\$ref 'defs.json#/a' \(outside the schema\) at /"):
+        byte_compiler.json_schema(relative, backend="xgrammar", reject_unsupported=reject_unsupported)
+
+
+def test_a_tool_referring_to_another_document_is_refused(byte_compiler: GrammarCompiler) -> None:
+    tools = [{"name": "f", "parameters": _ELSEWHERE}]
+    with pytest.raises(
+        UnsupportedSchema,
+        match=r"\$ref 'http://example.com/a.json' \(outside the schema\) at /properties/a in tool 'f'",
+    ):
+        byte_compiler.tool_call(tools, choice="auto")
+    with pytest.raises(UnsupportedSchema, match=r"http://example\.com/a\.json"):
+        byte_compiler.tool_call(tools, choice="f")
+
+
+def test_a_reference_to_an_id_inside_the_schema_goes_to_llguidance(byte_compiler: GrammarCompiler) -> None:
+    schema = {
+        "$defs": {"n": {"$id": "urn:n", "type": "integer"}},
+        "type": "object",
+        "properties": {"a": {"$ref": "urn:n"}},
+    }
+    grammar = byte_compiler.json_schema({**schema, "required": ["a"]})
+    assert grammar.backend == "llguidance" and grammar.unsupported == ()
+    good, bad = b'{"a":12}', b'{"a":"x"}'
+    assert grammar.matcher().accept_tokens(list(good)) == len(good)
+    assert grammar.matcher().accept_tokens(list(bad)) < len(bad)

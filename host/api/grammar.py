@@ -149,7 +149,7 @@ def compile_grammar(run: RunState, kind: str, text: str, options: str) -> Resour
     try:
         # Waits in slices: cancellation and the wall clock stop the run during a long compile.
         grammar = run.services.grammars().compile(
-            _KINDS[kind], text, parsed, may_wait=run.check_can_continue, owner=f"run {run.run_id}"
+            _KINDS[kind], text, parsed, may_wait=run.check_can_continue, owner=run.group or f"run {run.run_id}"
         )
     except HostError as exc:  # grammar errors are HostErrors
         return error_text(exc)

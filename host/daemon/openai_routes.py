@@ -75,7 +75,8 @@ async def get_model(request: Request, model_id: str) -> dict[str, Any]:
 async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
     req = await parse_body(request, ChatCompletionRequest)
     rule = daemon_of(request).config.json_object_requires_json_word
-    return await _serve(request, "chat", req, functools.partial(prepare_chat, json_object_requires_json_word=rule))
+    prepare = functools.partial(prepare_chat, json_object_requires_json_word=rule, owner=key_id_of(request))
+    return await _serve(request, "chat", req, prepare)
 
 
 @router.post(

@@ -167,6 +167,7 @@ class RunRegistry:
                     io=run_log,
                     config=self._run_config,
                     on_run_id=lambda run_id: engine.set_run_group(run_id, owner),  # the key's page share
+                    group=owner,
                 )
             except BaseException:
                 with self._lock:

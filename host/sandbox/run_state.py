@@ -35,6 +35,9 @@ class RunState:
     started_at_s: float
     # The inferlet's own sources, for a component on wafer's base (`runtime.app-sources`).
     app_files: tuple[tuple[str, str], ...] = ()
+    # Who the run works for (the daemon's API key id; "" for none): shares that span runs, such
+    # as the grammar compile workers, are counted by it.
+    group: str = ""
     cancel_requested: threading.Event = field(default_factory=threading.Event)
     resources: ResourceTable = field(default_factory=ResourceTable)
     store: wasmtime.Store | None = None

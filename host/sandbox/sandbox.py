@@ -110,9 +110,11 @@ class Sandbox:
         io: RunIO | None = None,
         config: SandboxConfig | None = None,
         on_run_id: Callable[[int], None] | None = None,
+        group: str = "",
     ) -> RunHandle:
         """Start a run on its own thread; `config` overrides this sandbox's limits for this run
-        (the epoch tick is the sandbox's); `on_run_id` gets the run's id before it starts."""
+        (the epoch tick is the sandbox's); `on_run_id` gets the run's id before it starts;
+        `group`: who the run works for (an API key's id), whose shares it counts against."""
         state = RunState(
             run_id=_next_run_id(),
             args=list(args),
@@ -121,6 +123,7 @@ class Sandbox:
             config=config if config is not None else self.config,
             started_at_s=time.monotonic(),
             app_files=inferlet.app.files if inferlet.app is not None else (),
+            group=group,
         )
         run = Run(state, self._engine, self._linker, inferlet.component)
         if on_run_id is not None:

@@ -10,7 +10,7 @@ import pytest
 
 from host.daemon.openai_models import ChatCompletionRequest
 from host.daemon.openai_prepare import prepare_chat
-from tests.host.daemon.conftest import Server
+from tests.host.daemon.conftest import API_KEY, OTHER_KEY, Server
 
 MESSAGES = [{"role": "user", "content": "The weather as JSON, please."}]
 
@@ -55,3 +55,28 @@ def test_prepare_chat_compiles_as_the_key_it_is_given(server: Server) -> None:
     )
     prepare_chat(req, engine.model, engine.tokenizer, Recording, owner="key-a")  # type: ignore[arg-type]
     assert owners == ["key-a"]
+
+
+def test_chat_requests_compile_as_their_key(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The route gives prepare_chat the caller's key, so two keys' compiles are two shares."""
+    from host.grammar.compiler import GrammarCompiler
+
+    owners: list[str | None] = []
+    original = GrammarCompiler.compile
+
+    def recording(self: GrammarCompiler, *args: Any, **kwargs: Any) -> Any:
+        owners.append(kwargs.get("owner"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GrammarCompiler, "compile", recording)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    response_format: Any = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    for key in (API_KEY, OTHER_KEY):
+        server.client(key).chat.completions.create(
+            model="dummy",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            response_format=response_format,
+            max_tokens=4,
+        )
+    # Each request compiles (or finds) its grammar in preparing and in its run: as its own key.
+    assert all(owners) and len(set(owners)) == 2 and owners[0] == owners[1], owners

@@ -39,7 +39,14 @@ class FakeSandbox:
         self.handles: list[FakeHandle] = []
 
     def start(
-        self, component: Any, engine: Any, args: list[str], io: Any, config: Any, on_run_id: Any = None
+        self,
+        component: Any,
+        engine: Any,
+        args: list[str],
+        io: Any,
+        config: Any,
+        on_run_id: Any = None,
+        group: str = "",
     ) -> FakeHandle:
         self.start_threads.append(threading.current_thread())
         self.handles.append(FakeHandle(len(self.handles) + 1))

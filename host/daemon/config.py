@@ -47,7 +47,7 @@ class DaemonConfig:
     # driver's page size, 16 for ours; 0 = off). With replicas, a run goes where its prefix is.
     prefix_match_unit: int = 0
     max_concurrent_runs: int = 64
-    key_max_concurrent_runs: int = 32  # runs one API key may have running at once
+    key_max_concurrent_runs: int = 64  # runs one API key may have running at once (lower it to share)
     key_reserve_run_slots: int = 8  # the last slots, which only a key with no run running may take
     run_memory_mib: int = 256
     run_timeout_s: float = 600.0

@@ -90,7 +90,7 @@ def _wait_dead(pid: int) -> None:
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().rpartition(")")[2].split()[0] in ("Z", "X"):
                     return
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # reaped between the open and the read
             return
         time.sleep(0.01)
 

@@ -139,14 +139,17 @@ def _wafer_run(wasm: Path, *options: str) -> tuple[int, str, float]:
         return proc.returncode, err.read(), usage.ru_maxrss / 1024
 
 
-def test_wafer_run_refuses_the_sleeper_and_the_hogs(tmp_path: Path) -> None:
+def test_wafer_run_refuses_the_sleeper_and_the_hogs(sandbox: Sandbox, tmp_path: Path) -> None:
     """The acceptance, through the CLI: asleep in the 0.2.0 clock with --timeout-s 5, and
-    memory and table hogs at --memory-mib 256 (unbounded: 1,977 and 2,347 MiB peak RSS)."""
+    memory and table hogs at --memory-mib 256 (unbounded: 1,977 and 2,347 MiB peak RSS). Each is
+    compiled into the cache first: a compile runs in a child of its own, under its own cap, and
+    the peak RSS of `wafer run` counts its children's."""
     sleeper = hand_built.write(hand_built.clock_sleeper("0.2.0", 20), tmp_path / "sleeper.wasm")
     code, err, _ = _wafer_run(sleeper, "--timeout-s", "5")
     assert code != 0 and REFUSAL in err, err
     for name, text in (("mem", hand_built.many_memories(8, 240)), ("tab", hand_built.many_tables(6, 50_000_000))):
         hog = hand_built.write(text, tmp_path / f"{name}.wasm")
+        sandbox.load(hog)
         code, err, peak_mib = _wafer_run(hog, "--memory-mib", "256")
         assert code != 0 and "the component needs more than a run may have" in err, err
         assert peak_mib <= 700, f"{name}: peak RSS {peak_mib:.0f} MiB"

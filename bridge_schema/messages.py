@@ -29,7 +29,7 @@ class Status(enum.IntEnum):
     BAD_REQUEST = 1  # malformed frame or message (schema violation)
     OUT_OF_RANGE = 2  # well-formed but outside the driver's limits (page, token, size)
     UNSUPPORTED = 3  # a capability this driver lacks
-    NOT_READY = 4  # a request before the handshake
+    NOT_READY = 4  # a request before the handshake, or (code driver_busy) while another host holds the driver
     INTERNAL = 5  # the driver failed while executing a valid request
 
 

@@ -102,6 +102,7 @@ def prepare_chat(
         raise BadRequest(f"the messages cannot be rendered: {exc}", param="messages") from None
     limit = req.max_completion_tokens or req.max_tokens
     max_tokens = _fit_context(len(prompt), limit, model.kept_context, "messages")
+    _fit_choices([len(prompt)], req.n or 1, model, "messages")
     top = req.top_logprobs or 0
     # The rendered prompt as token ids: the chat inferlet need not render and tokenize it again.
     job = _job(req, [{"tokens": prompt}], len(prompt), max_tokens, bool(req.logprobs), top)
@@ -149,6 +150,7 @@ def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Toke
         counts.append(len(tokens))
     limit = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     max_tokens = _fit_context(max(counts), limit, model.kept_context, "prompt")
+    _fit_choices(counts, n, model, "prompt")
     logprobs = req.logprobs is not None
     job = _job(req, prompts, sum(counts), max_tokens, logprobs, req.logprobs or 0)
     if not req.echo:
@@ -191,6 +193,26 @@ def _prompt_list(prompt: Any) -> list[str | list[int]]:
     if prompt and isinstance(prompt[0], int):
         return [list(prompt)]
     return list(prompt)
+
+
+def _fit_choices(prompt_lengths: list[int], n: int, model: ModelInfo, param: str) -> None:
+    """A 400 for `n` choices of each prompt whose forks alone would take the run past its share
+    of the KV pages (run_max_pages_fraction): a fork is charged its parent's pages and a copy of
+    the partial one (host.engine.contexts), so such a request could only fail after its prompts
+    were computed."""
+    if n < 2 or not model.run_max_tokens:
+        return
+    page_size = model.page_size
+    run_pages = model.run_max_tokens // page_size
+    needed = sum(-(-length // page_size) * n + (n - 1) for length in prompt_lengths)
+    if needed > run_pages:
+        raise BadRequest(
+            f"n={n} choices of {sum(prompt_lengths)} prompt tokens need at least {needed} KV pages of "
+            f"{page_size} tokens (each choice holds its prompt's pages), past the {run_pages} one request "
+            "may hold (run_max_pages_fraction); lower n or shorten the prompt",
+            param="n",
+            code="context_length_exceeded",
+        )
 
 
 def _fit_context(num_prompt: int, limit: int | None, max_context: int, param: str) -> int:

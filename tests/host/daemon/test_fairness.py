@@ -101,3 +101,20 @@ def test_hand_built_components_end_or_are_refused_with_their_limit(
             assert end["state"] == "failed"
             assert any(part in end["error"] for part in error.split("|")), end["error"]
     assert _chat(server)
+
+
+def test_choices_whose_forks_cannot_fit_the_run_s_pages_are_a_400_before_any_work(server: Server) -> None:
+    """n choices each hold their prompt's pages: past the run's share, the run could only fail
+    after its prompt was computed (a 502); it is refused up front instead."""
+    assert server.daemon is not None
+    engine, _ = server.daemon.supervisor.engine(timeout_s=30)
+    prompt = [7] * 400
+    pages = -(-len(prompt) // engine.model.page_size)
+    run_pages = engine.model.run_max_tokens // engine.model.page_size
+    n = min(128, run_pages // pages + 1)
+    assert n * pages + n - 1 > run_pages, "the dummy's pool is too big for this test"
+    client = server.client()
+    with pytest.raises(openai.BadRequestError, match="run_max_pages_fraction") as info:
+        client.completions.create(model="dummy", prompt=prompt, n=n, max_tokens=1)
+    assert info.value.code == "context_length_exceeded"
+    assert client.completions.create(model="dummy", prompt=prompt, n=2, max_tokens=1).choices

@@ -1,8 +1,9 @@
 """The one wrapper every host function goes through.
 
-It finds the calling run, stops a cancelled or over-budget run, re-arms the inactivity
-watchdog, and turns any unexpected Python exception into `wasmtime.WasmtimeError` (the only
-exception type wasmtime-py 50 delivers to the right thread; others can surface in another run).
+It finds the calling run, stops a cancelled or over-budget run, gives the run's compute slot
+up for the call (host.sandbox.compute_share), re-arms the inactivity watchdog, and turns any
+unexpected Python exception into `wasmtime.WasmtimeError` (the only exception type wasmtime-py
+50 delivers to the right thread; others can surface in another run).
 Expected failures are not exceptions: host functions return a WIT `result` error string.
 """
 
@@ -33,6 +34,7 @@ def host_function(fn: Callable[Concatenate[RunState, P], R]) -> Callable[..., R]
         started_s = time.perf_counter()
         run = current()
         run.check_can_continue()
+        run.leave_guest()
         outer, run.call_context = run.call_context, store
         try:
             return fn(run, *args, **kwargs)
@@ -43,6 +45,7 @@ def host_function(fn: Callable[Concatenate[RunState, P], R]) -> Callable[..., R]
             raise wasmtime.WasmtimeError(f"host error in {fn.__name__}: {type(exc).__name__}: {exc}") from None
         finally:
             run.call_context = outer
+            run.enter_guest()
             run.rearm_watchdog()
             run.note_host_call(started_s)
 

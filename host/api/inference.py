@@ -206,6 +206,7 @@ def _decode_raw(context: Any, args: Any) -> Any:
     started_s = time.perf_counter()
     run = current()
     run.check_can_continue()
+    run.leave_guest()
     try:
         kind, temperature, top_k, top_p, min_p, seed = raw_calls.record_values(args[2])
         sampler_kind = _SAMPLER_KINDS.get(raw_calls.enum_name(kind))
@@ -215,6 +216,7 @@ def _decode_raw(context: Any, args: Any) -> Any:
         result = decode(run, raw_calls.borrow_rep(context, args[0]), raw_calls.u32_list(args[1]), sampler)
         return raw_calls.err_string(result) if isinstance(result, str) else raw_calls.ok_u32(result)
     finally:
+        run.enter_guest()
         run.rearm_watchdog()
         run.note_host_call(started_s)
 

@@ -49,6 +49,8 @@ class DaemonConfig:
     max_concurrent_runs: int = 64
     key_max_concurrent_runs: int = 64  # runs one API key may have running at once (lower it to share)
     key_reserve_run_slots: int = 8  # the last slots, which only a key with no run running may take
+    # Runs of one key computing in guest code at once (0: this machine's cores less one, at least 1).
+    key_guest_threads: int = 0
     run_memory_mib: int = 256
     run_timeout_s: float = 600.0
     run_watchdog_s: float = 30.0
@@ -125,6 +127,7 @@ class DaemonConfig:
             max_inbound_bytes=self.run_max_inbound_mib * MIB,
             max_loaded_component_bytes=self.max_loaded_component_mib * MIB,
             compile_memory_bytes=self.component_compile_mib * MIB,
+            group_compute_slots=self.key_guest_threads or max(1, (os.cpu_count() or 2) - 1),
         )
 
     @property
@@ -295,6 +298,7 @@ def _check(c: DaemonConfig) -> None:
         "max_concurrent_runs": 1,
         "key_max_concurrent_runs": 1,
         "key_reserve_run_slots": 0,
+        "key_guest_threads": 0,
         "run_max_contexts": 1,
         "run_memory_mib": 20,  # the interpreter needs about 12 MiB, the tables take 4 (SandboxConfig)
         "run_max_output_mib": 1,

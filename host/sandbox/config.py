@@ -42,6 +42,9 @@ class SandboxConfig:
     max_tables: int = 4
     max_table_elements: int = 1 << 17
     max_instances: int = 32
+    # The sandbox's: runs of one group (an API key) computing in guest code at once (0: no limit;
+    # runs started without a group are never limited). See `compute_share`.
+    group_compute_slots: int = 0
     # The sandbox's, not a run's: compiled components kept loaded in memory (least recently used
     # dropped past it; `compile_cache.CompileCache`).
     max_loaded_component_bytes: int = 1024 * MIB
@@ -57,6 +60,8 @@ class SandboxConfig:
             raise ValueError("timeouts and the epoch tick must be positive")
         if self.max_output_bytes <= 0 or self.max_inbound_bytes <= 0:
             raise ValueError("max_output_bytes and max_inbound_bytes must be positive")
+        if self.group_compute_slots < 0:
+            raise ValueError(f"group_compute_slots must be >= 0, got {self.group_compute_slots}")
         if min(self.max_memories, self.max_tables, self.max_table_elements, self.max_instances) < 1:
             raise ValueError("max_memories, max_tables, max_table_elements and max_instances must be at least 1")
         if self.memory_limit_bytes - self.table_bytes < 16 * MIB:

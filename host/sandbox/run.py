@@ -61,6 +61,7 @@ class Run:
             _log.exception("[run %d] sandbox failure", self.state.run_id)
             status, error = RunStatus.TRAPPED, f"sandbox failure: {type(exc).__name__}: {exc}"
         finally:
+            self.state.leave_guest()
             num_leaked = self._free_resources()
             self.state.store = None  # the last reference: WASI closes the guest's output pipes
             self._collect_store()
@@ -119,6 +120,7 @@ class Run:
         state.store = store
         state.rearm_watchdog()
         try:
+            state.enter_guest()  # start functions are guest code
             try:
                 instance = self._linker.instantiate(store, self._component)
             except wasmtime.WasmtimeError as exc:

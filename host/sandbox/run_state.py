@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import wasmtime
 
+from host.sandbox.compute_share import ComputeShare
 from host.sandbox.config import SandboxConfig
 from host.sandbox.outcome import RunStatus
 from host.sandbox.resources import ResourceTable
@@ -38,6 +39,9 @@ class RunState:
     # Who the run works for (the daemon's API key id; "" for none): shares that span runs, such
     # as the grammar compile workers, are counted by it.
     group: str = ""
+    # Guest compute shared out by group (None: not shared); whether this run holds a slot now.
+    compute: ComputeShare | None = None
+    is_in_guest: bool = False
     cancel_requested: threading.Event = field(default_factory=threading.Event)
     resources: ResourceTable = field(default_factory=ResourceTable)
     store: wasmtime.Store | None = None
@@ -149,6 +153,31 @@ class RunState:
 
     def _past_limit(self, reason: str) -> wasmtime.WasmtimeError:
         return self.stop(reason, RunStatus.LIMIT_EXCEEDED)
+
+    def enter_guest(self) -> None:
+        """Before guest code runs (instantiation, the return from a host call): a slot of the
+        run's group, waiting in line for one; raises if the run must stop meanwhile."""
+        if self.compute is None or not self.group or self.is_in_guest:
+            return
+        waiting_since_s = time.monotonic()
+        self.compute.enter(self.group, self.check_can_continue)
+        self.is_in_guest = True
+        # Waiting for a turn is not guest time: the watchdog's window does not run meanwhile.
+        self.last_activity_s += time.monotonic() - waiting_since_s
+
+    def leave_guest(self) -> None:
+        """Guest code stops (a host call, the run's end): the slot goes to whoever waits."""
+        if self.is_in_guest:
+            assert self.compute is not None
+            self.is_in_guest = False
+            self.compute.leave(self.group)
+
+    def yield_guest(self) -> None:
+        """At a check while computing: another run of the group waits, so this one goes to the
+        back of the line."""
+        if self.is_in_guest and self.compute is not None and self.compute.has_waiters(self.group):
+            self.leave_guest()
+            self.enter_guest()
 
     def check_can_continue(self) -> None:
         """Stop the guest at a host call if it was cancelled or is out of time."""

@@ -12,6 +12,7 @@ from pathlib import Path
 from host.errors import HostError
 from host.sandbox import wasmtime_threads
 from host.sandbox.compile_cache import CompileCache, LoadedInferlet
+from host.sandbox.compute_share import ComputeShare
 from host.sandbox.config import SandboxConfig
 from host.sandbox.linker import new_linker
 from host.sandbox.outcome import RunOutcome
@@ -87,6 +88,7 @@ class Sandbox:
         )
         self._ticker = EpochTicker(self._engine, config)
         self._ticker.start()
+        self.compute = ComputeShare(config.group_compute_slots) if config.group_compute_slots else None
 
     def close(self) -> None:
         self._ticker.stop()
@@ -124,6 +126,7 @@ class Sandbox:
             started_at_s=time.monotonic(),
             app_files=inferlet.app.files if inferlet.app is not None else (),
             group=group,
+            compute=self.compute,
         )
         run = Run(state, self._engine, self._linker, inferlet.component)
         if on_run_id is not None:

@@ -44,6 +44,10 @@ def _on_deadline(_context: Any, _env: Any, delta: Any, kind: Any) -> int:
         reason = run.check_while_computing()
         if reason is not None:
             return _error(reason)
+        try:
+            run.yield_guest()  # another run of its group waits: take turns
+        except wasmtime.WasmtimeError as exc:  # stopped while waiting for its turn
+            return _error(str(exc))
         delta[0] = run.config.ticks(run.next_check_s())
         kind[0] = _CONTINUE
         return 0

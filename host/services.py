@@ -13,6 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from bridge_schema.batch import OutputResult, OutputSpec
+from host.errors import HostError
 
 if TYPE_CHECKING:
     from host.grammar import GrammarCompiler
@@ -121,6 +122,15 @@ class Services(Protocol):
         dropped with the context)."""
         ...
 
+    def forward_group(
+        self, run_id: int, passes: Sequence[tuple[int, PassRequest]], may_wait: Callable[[], None] | None = None
+    ) -> list[PassResult | HostError]:
+        """`forward` for several passes (of distinct contexts) at once: all are queued before any
+        is scheduled, so they share device passes, and the call blocks until every one returns.
+        One result per pass, in order: its `PassResult`, or the `HostError` that failed it (a
+        failed pass does not stop the others). `forward_by_one` is the plain implementation."""
+        ...
+
     def generate(self, run_id: int, context_id: int, first: PassRequest, next_step: NextStep) -> None:
         """A chain of passes: `first`, then each request `next_step` makes of the result before
         it, until it returns None. Blocks until then; raises the `HostError` of a step that
@@ -146,6 +156,22 @@ class Services(Protocol):
         ...
 
     def end_run(self, run_id: int) -> None: ...
+
+
+def forward_by_one(
+    services: Services,
+    run_id: int,
+    passes: Sequence[tuple[int, PassRequest]],
+    may_wait: Callable[[], None] | None = None,
+) -> list[PassResult | HostError]:
+    """`Services.forward_group` as one `forward` after another (for services without a queue)."""
+    results: list[PassResult | HostError] = []
+    for context_id, request in passes:
+        try:
+            results.append(services.forward(run_id, context_id, request, may_wait))
+        except HostError as exc:
+            results.append(exc)
+    return results
 
 
 def generate_by_steps(

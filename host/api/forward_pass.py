@@ -142,3 +142,31 @@ def run_pass_records(run: RunState, builder: PassBuilder) -> list[Record] | str:
     if isinstance(results, str):
         return results
     return [_output_record(s, r) for s, r in zip(builder.outputs, results, strict=True)]
+
+
+def run_group_records(run: RunState, builders: list[PassBuilder]) -> list[list[Record] | str]:
+    """Run passes of distinct contexts as one group (`Services.forward_group`): one result per
+    builder, in order, each as `run_pass_records` gives it. A pass already `submit`ted alone is
+    waited for instead."""
+    prepared = [None if b.submitted is not None else pass_request(run, b) for b in builders]
+    group = [p for p in prepared if isinstance(p, tuple)]
+    started_s = time.perf_counter()
+    try:
+        answers = iter(run.services.forward_group(run.run_id, group, may_wait=run.check_can_continue))
+    finally:
+        run.forward_wait_s += time.perf_counter() - started_s
+    results: list[list[Record] | str] = []
+    for builder, item in zip(builders, prepared, strict=True):
+        if item is None:  # submitted alone before
+            assert builder.submitted is not None
+            future, builder.submitted = builder.submitted, None
+            results.append(future.result())
+        elif isinstance(item, str):
+            results.append(item)
+        else:
+            answer = next(answers)
+            if isinstance(answer, HostError):
+                results.append(error_text(answer))
+            else:
+                results.append([_output_record(s, r) for s, r in zip(builder.outputs, answer.outputs, strict=True)])
+    return results

@@ -26,7 +26,7 @@ from bridge_schema.messages import Probe, SamplerKind
 from host.api import adapter as adapter_api
 from host.api import generation
 from host.api import grammar as grammar_api
-from host.api.forward_pass import KIND, PassBuilder, pass_builder, run_pass, run_pass_records
+from host.api.forward_pass import KIND, PassBuilder, pass_builder, run_group_records, run_pass, run_pass_records
 from host.api.host_call import borrowed_rep, host_function
 from host.api.host_call import field as rec_field
 from host.sandbox import raw_calls
@@ -186,6 +186,34 @@ def execute(run: RunState, handle: ResourceAny) -> list[Record] | str:
         run.check_can_continue()  # a run cancelled while its pass was in flight stops here
 
 
+@host_function
+def execute_all(run: RunState, ids: list[int]) -> list[list[Record] | str]:
+    if len(set(ids)) != len(ids):
+        raise wasmtime.WasmtimeError("execute-all: a forward pass may appear only once")
+    builders = []
+    for rep in ids:
+        try:
+            builder = run.resources.get(KIND, rep)
+        except KeyError:
+            raise wasmtime.WasmtimeError(f"execute-all: no live forward pass with id {rep}") from None
+        assert isinstance(builder, PassBuilder)
+        builders.append(builder)
+    try:
+        return run_group_records(run, builders)
+    finally:
+        run.check_can_continue()  # a run cancelled while its passes were in flight stops here
+
+
+def _pass_id_raw(context: Any, args: Any) -> Any:
+    run = current()
+    rep = raw_calls.borrow_rep(context, args[0])
+    try:
+        run.resources.get(KIND, rep)
+    except KeyError:
+        raise wasmtime.WasmtimeError(f"no live forward pass with handle {rep}") from None
+    return raw_calls.u32(rep)
+
+
 def decode(run: RunState, ctx_rep: int, tokens: list[int], sampler: Sampler) -> int | str:
     """`decode` for the stock path and the raw path alike."""
     builder = PassBuilder(ctx_rep, tokens=tokens)
@@ -257,6 +285,8 @@ def register(instance: LinkerInstance) -> None:
     instance.add_func("[method]forward-pass.submit", submit)
     instance.add_func("[method]forward-pass.execute", execute)
     instance.add_func("[method]forward-pass.generate", generation.generate)
+    raw_calls.add_raw_func(instance, "[method]forward-pass.id", _pass_id_raw)
+    instance.add_func("execute-all", execute_all)
     if USE_RAW_DECODE:
         raw_calls.add_raw_func(instance, "decode", _decode_raw)
     else:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from bridge_schema.messages import Ack, Adapter, Handshake, Health, HealthReply
@@ -17,7 +17,7 @@ from host.engine.chain import Chain
 from host.engine.config import EngineConfig
 from host.engine.core import EngineCore
 from host.engine.loop import EngineLoop
-from host.errors import FeatureUnavailable, InvalidRequest
+from host.errors import FeatureUnavailable, HostError, InvalidRequest
 from host.services import ModelInfo, NextStep, PassRequest, PassResult, Tokenizer
 from host.waiting import result_in_slices
 
@@ -129,6 +129,31 @@ class Engine:
             served = self._core.submit(run_id, context_id, request, future)
         self._loop.wake()
         return served if served is not None else result_in_slices(future, may_wait)
+
+    def forward_group(
+        self, run_id: int, passes: Sequence[tuple[int, PassRequest]], may_wait: Callable[[], None] | None = None
+    ) -> list[PassResult | HostError]:
+        """Every pass queued under one hold of the lock, so the loop schedules them together."""
+        pending: list[PassResult | HostError | concurrent.futures.Future[PassResult]] = []
+        with self._lock:
+            for context_id, request in passes:
+                future: concurrent.futures.Future[PassResult] = concurrent.futures.Future()
+                try:
+                    served = self._core.submit(run_id, context_id, request, future)
+                except HostError as exc:
+                    pending.append(exc)
+                    continue
+                pending.append(served if served is not None else future)
+        self._loop.wake()
+        results: list[PassResult | HostError] = []
+        for item in pending:
+            if isinstance(item, concurrent.futures.Future):
+                try:
+                    item = result_in_slices(item, may_wait)
+                except HostError as exc:
+                    item = exc
+            results.append(item)
+        return results
 
     def generate(self, run_id: int, context_id: int, first: PassRequest, next_step: NextStep) -> None:
         chain = Chain(self._core, self._lock, run_id, context_id, next_step)

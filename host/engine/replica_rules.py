@@ -92,9 +92,15 @@ def renamed_context(local_id: int, context_id: int) -> Iterator[None]:
     try:
         yield
     except HostError as exc:
-        if local_id and exc.args and isinstance(exc.args[0], str):
-            text = _CONTEXT_ID.sub(lambda m: f"context {context_id}" if m[1] == str(local_id) else m[0], exc.args[0])
-            exc.args = (text,)
-            if getattr(exc, "context_id", None) == local_id:
-                exc.context_id = context_id  # type: ignore[attr-defined]
+        rename_context(exc, local_id, context_id)
         raise
+
+
+def rename_context(exc: HostError, local_id: int, context_id: int) -> HostError:
+    """`exc`, naming context `context_id` where the replica named it `local_id`."""
+    if local_id and exc.args and isinstance(exc.args[0], str):
+        text = _CONTEXT_ID.sub(lambda m: f"context {context_id}" if m[1] == str(local_id) else m[0], exc.args[0])
+        exc.args = (text,)
+        if getattr(exc, "context_id", None) == local_id:
+            exc.context_id = context_id  # type: ignore[attr-defined]
+    return exc

@@ -26,8 +26,8 @@ from bridge_schema.messages import Handshake
 from host.engine.config import EngineConfig
 from host.engine.facade import Engine
 from host.engine.placement import AffinityIndex, Candidate, choose
-from host.engine.replica_rules import ReplicaTotals, disagreement, renamed_context
-from host.errors import ContextNotFound, ContextNotOwned, DriverFailed, EngineClosed
+from host.engine.replica_rules import ReplicaTotals, disagreement, rename_context, renamed_context
+from host.errors import ContextNotFound, ContextNotOwned, DriverFailed, EngineClosed, HostError
 from host.prefix_cache import page_keys
 from host.services import ModelInfo, NextStep, PassRequest, PassResult, Tokenizer
 
@@ -263,6 +263,31 @@ class ReplicatedEngine(ReplicaTotals):
             engine, local_id = self._bound(run_id, context_id, request)
         with renamed_context(local_id, context_id):
             return engine.forward(run_id, local_id, request, may_wait)
+
+    def forward_group(
+        self, run_id: int, passes: Sequence[tuple[int, PassRequest]], may_wait: Callable[[], None] | None = None
+    ) -> list[PassResult | HostError]:
+        """On the run's replica (every context of a run lives on one), as one group there."""
+        bound: list[tuple[int, int] | HostError] = []  # (local id, context id) or why not
+        engine: Engine | None = None
+        with self._lock:
+            for context_id, request in passes:
+                try:
+                    engine, local_id = self._bound(run_id, context_id, request)
+                except HostError as exc:
+                    bound.append(exc)
+                    continue
+                bound.append((local_id, context_id))
+        local = [(ids[0], request) for ids, (_, request) in zip(bound, passes, strict=True) if isinstance(ids, tuple)]
+        answers = iter(engine.forward_group(run_id, local, may_wait) if engine is not None else [])
+        results: list[PassResult | HostError] = []
+        for ids in bound:
+            if isinstance(ids, HostError):
+                results.append(ids)
+                continue
+            answer = next(answers)
+            results.append(rename_context(answer, *ids) if isinstance(answer, HostError) else answer)
+        return results
 
     def generate(self, run_id: int, context_id: int, first: PassRequest, next_step: NextStep) -> None:
         with self._lock:

@@ -61,6 +61,13 @@ def enum_name(val: Val) -> str:
     return ffi.to_str(val.of.enumeration)
 
 
+def u32(value: int) -> Val:
+    out = ffi.wasmtime_component_val_t()
+    out.kind = ffi.WASMTIME_COMPONENT_U32
+    out.of.u32 = value
+    return out
+
+
 def ok_u32(value: int) -> Val:
     inner = ffi.wasmtime_component_val_t()
     inner.kind = ffi.WASMTIME_COMPONENT_U32

@@ -60,20 +60,63 @@ def test_best_of_n_branches_each_sample_with_their_own_seed_and_share_passes(
 ) -> None:
     """decode_steps_with_logprobs with a sampler per context: branch i of a run seeded 7 draws
     exactly as branch i-1 of a run seeded 8 (same seed, same positions), and the branches of a
-    step share passes: the first branch's pass goes out at once, the other two join the next
-    (the grouped-by-sampler loop it replaced waited for each branch: 1 + 3 * 5 passes)."""
+    step reach the scheduler as one group: one device pass a step for all three (submitted one
+    by one, the first branch's pass went out alone and the other two joined the next: 1 + 2 * 5)."""
     prompt = ("--prompt", "x" * 20, "--branches", "3", "--max-tokens", "5", "--ignore-eos")
     forwards = int(inferlet_runner.engine.driver_health()["forwards"])
     seven = inferlet_runner.run("parallel_generation", *prompt, "--seed", "7")
     assert seven.ok, seven.error
     passes = int(inferlet_runner.engine.driver_health()["forwards"]) - forwards
-    assert passes <= 1 + 2 * 5  # the shared prompt, then at most two passes a step
+    assert passes == 1 + 5, passes  # the shared prompt, then one pass a step for all branches
     eight = inferlet_runner.run("parallel_generation", *prompt, "--seed", "8")
     a, b = json.loads(seven.messages[-1]), json.loads(eight.messages[-1])
     assert a["branches"][1:] == b["branches"][:2] and a["logprobs"][1:] == b["logprobs"][:2]
     assert a["branches"][0] != b["branches"][0]
     best = inferlet_runner.run("parallel_generation", *prompt, "--seed", "7", "--best")
     assert best.output == f"[{a['best']}] {a['branches'][a['best']]}\n"
+
+
+GROUP = HERE / "inferlets" / "group"
+
+
+def test_a_group_of_passes_gives_what_one_pass_at_a_time_gives(inferlet_runner: InferletRunner) -> None:
+    result = inferlet_runner.run(GROUP, "agree")
+    assert result.ok, result.error
+    report = json.loads(result.messages[-1])
+    assert report["grouped"] == report["alone"]
+    assert all(len(tokens) > 6 for tokens in report["grouped"])
+
+
+def test_a_refused_pass_in_a_group_fails_alone(inferlet_runner: InferletRunner) -> None:
+    """Each pass of `execute-all` gets its own result, in order: a bad token refuses its pass,
+    and the passes either side of it still run and commit their tokens to the KV."""
+    result = inferlet_runner.run(GROUP, "partial")
+    assert result.ok, result.error
+    good, bad, other, kv = json.loads(result.messages[-1])
+    assert len(good["tokens"]) == 1 and len(other["tokens"]) == 1
+    assert "input token out of range" in bad["error"], bad
+    assert kv == {"kv": [2, 0, 1]}
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("duplicate", "a forward pass may appear only once"),
+        ("unknown", "no live forward pass with id 4000000000"),
+        ("released", "no live forward pass with id"),
+    ],
+)
+def test_execute_all_traps_on_ids_that_are_not_distinct_live_passes(
+    inferlet_runner: InferletRunner, case: str, message: str
+) -> None:
+    result = inferlet_runner.run(GROUP, case)
+    assert result.status == "trapped", (result.status, result.error)
+    assert message in (result.error or "")
+
+
+def test_an_empty_group_returns_no_results(inferlet_runner: InferletRunner) -> None:
+    result = inferlet_runner.run(GROUP, "empty")
+    assert result.ok and result.messages == ["[]"]
 
 
 def test_messages_both_ways(inferlet_runner: InferletRunner) -> None:

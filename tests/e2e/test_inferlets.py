@@ -10,8 +10,9 @@ from collections.abc import Callable, Sequence
 from wasmtime.component import Component
 
 from host.engine import Engine, EngineConfig
+from host.errors import HostError
 from host.sandbox import BufferedRunIO, RunOutcome, RunStatus, Sandbox
-from host.services import ModelInfo, NextStep, PassRequest, PassResult, Tokenizer, generate_by_steps
+from host.services import ModelInfo, NextStep, PassRequest, PassResult, Tokenizer, forward_by_one, generate_by_steps
 
 
 def _run(
@@ -104,6 +105,11 @@ class ForkWatcher:
         self, run_id: int, context_id: int, request: PassRequest, may_wait: Callable[[], None] | None = None
     ) -> PassResult:
         return self._engine.forward(run_id, context_id, request, may_wait)
+
+    def forward_group(
+        self, run_id: int, passes: Sequence[tuple[int, PassRequest]], may_wait: Callable[[], None] | None = None
+    ) -> list[PassResult | HostError]:
+        return forward_by_one(self, run_id, passes, may_wait)
 
     def generate(self, run_id: int, context_id: int, first: PassRequest, next_step: NextStep) -> None:
         generate_by_steps(self, run_id, context_id, first, next_step)

@@ -420,25 +420,21 @@ def _grammatical_prefix(matcher: Matcher, draft: list[int]) -> list[int]:
 
 
 def execute_together(passes: list[_inf.ForwardPass]) -> list[list[_inf.Output]]:
-    """Submit configured passes (of different contexts) before waiting on any, so they share
-    device passes; wait for every one even after a failure, so none is left running; release
-    them all; then raise the first failure as `InferenceError`, or return their outputs."""
+    """Execute configured passes (of different contexts) as one group: they reach the scheduler
+    together and share device passes (one a step for the decode steps of k forks). Every one
+    runs even after a failure; all are released; then the first failure is raised as
+    `InferenceError`, or their outputs are returned, in order."""
     try:
-        for fp in passes:
-            fp.submit()
-        results = []
-        for fp in passes:
-            try:
-                results.append(fp.execute())
-            except Err as e:
-                results.append(e)
+        results = _inf.execute_all([fp.id() for fp in passes]) if passes else []
     finally:
         for fp in passes:
             fp.__exit__(None, None, None)
+    outputs = []
     for result in results:
         if isinstance(result, Err):
             raise InferenceError(str(result.value))
-    return results
+        outputs.append(result.value)
+    return outputs
 
 
 SamplerChoice = Sampler | Sequence[Sampler]

@@ -8,8 +8,8 @@ import threading
 from collections.abc import Callable, Sequence
 
 from bridge_schema.batch import OutputResult
-from host.errors import ContextNotFound, ContextNotOwned, InvalidRequest, OutOfPages
-from host.services import ModelInfo, NextStep, PassRequest, PassResult, generate_by_steps
+from host.errors import ContextNotFound, ContextNotOwned, HostError, InvalidRequest, OutOfPages
+from host.services import ModelInfo, NextStep, PassRequest, PassResult, forward_by_one, generate_by_steps
 from host.tokenizer import BytesTokenizer
 
 VOCAB_SIZE = 260
@@ -102,6 +102,11 @@ class TableServices:
             self.num_forwards += 1
             inputs: Sequence[int] = list(request.tokens)
             return PassResult([OutputResult(token=(inputs[o.row] + 1) % 256) for o in request.outputs])
+
+    def forward_group(
+        self, run_id: int, passes: Sequence[tuple[int, PassRequest]], may_wait: Callable[[], None] | None = None
+    ) -> list[PassResult | HostError]:
+        return forward_by_one(self, run_id, passes, may_wait)
 
     def generate(self, run_id: int, context_id: int, first: PassRequest, next_step: NextStep) -> None:
         generate_by_steps(self, run_id, context_id, first, next_step)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from host.engine import Engine, EngineConfig, ReplicatedEngine
-from host.engine.replicas import start_engines
+from host.engine.replica_start import start_engines
 from host.errors import HostError
 
 

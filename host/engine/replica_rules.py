@@ -5,7 +5,7 @@ Knows nothing of placement or of how replicas are started."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -14,6 +14,7 @@ from host.errors import HostError
 
 if TYPE_CHECKING:
     from host.engine.facade import Engine
+    from host.services import PassResult
 
 _MUST_EQUAL = ("model_name", "vocab_size", "page_size", "tokenizer_kind", "tokenizer_data", "chat_template")
 _CONTEXT_ID = re.compile(r"\bcontext (\d+)\b")
@@ -84,6 +85,23 @@ class ReplicaTotals:
     @property
     def num_available_pages(self) -> int:
         return sum(engine.num_available_pages for engine in self._engines())
+
+
+def in_group_order(
+    bound: Sequence[tuple[int, int] | HostError], answers: Iterable[PassResult | HostError]
+) -> list[PassResult | HostError]:
+    """A group's results in its order: where `bound` holds an error (a pass never sent), that
+    error; elsewhere the replica's next answer, its errors told in the run's context id
+    (`bound` holds (replica's id, run's id) there)."""
+    it = iter(answers)
+    results: list[PassResult | HostError] = []
+    for ids in bound:
+        if isinstance(ids, HostError):
+            results.append(ids)
+            continue
+        answer = next(it)
+        results.append(rename_context(answer, *ids) if isinstance(answer, HostError) else answer)
+    return results
 
 
 @contextmanager

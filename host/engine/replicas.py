@@ -12,7 +12,6 @@ later runs are placed on the replicas that are up.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import itertools
 import logging
@@ -26,7 +25,8 @@ from bridge_schema.messages import Handshake
 from host.engine.config import EngineConfig
 from host.engine.facade import Engine
 from host.engine.placement import AffinityIndex, Candidate, choose
-from host.engine.replica_rules import ReplicaTotals, disagreement, rename_context, renamed_context
+from host.engine.replica_rules import ReplicaTotals, disagreement, in_group_order, renamed_context
+from host.engine.replica_start import start_engines
 from host.errors import ContextNotFound, ContextNotOwned, DriverFailed, EngineClosed, HostError
 from host.prefix_cache import page_keys
 from host.services import ModelInfo, NextStep, PassRequest, PassResult, Tokenizer
@@ -268,26 +268,17 @@ class ReplicatedEngine(ReplicaTotals):
         self, run_id: int, passes: Sequence[tuple[int, PassRequest]], may_wait: Callable[[], None] | None = None
     ) -> list[PassResult | HostError]:
         """On the run's replica (every context of a run lives on one), as one group there."""
-        bound: list[tuple[int, int] | HostError] = []  # (local id, context id) or why not
+        bound: list[tuple[int, int] | HostError] = []  # (local id, context id), or why not
         engine: Engine | None = None
         with self._lock:
             for context_id, request in passes:
                 try:
                     engine, local_id = self._bound(run_id, context_id, request)
+                    bound.append((local_id, context_id))
                 except HostError as exc:
                     bound.append(exc)
-                    continue
-                bound.append((local_id, context_id))
         local = [(ids[0], request) for ids, (_, request) in zip(bound, passes, strict=True) if isinstance(ids, tuple)]
-        answers = iter(engine.forward_group(run_id, local, may_wait) if engine is not None else [])
-        results: list[PassResult | HostError] = []
-        for ids in bound:
-            if isinstance(ids, HostError):
-                results.append(ids)
-                continue
-            answer = next(answers)
-            results.append(rename_context(answer, *ids) if isinstance(answer, HostError) else answer)
-        return results
+        return in_group_order(bound, engine.forward_group(run_id, local, may_wait) if engine is not None else [])
 
     def generate(self, run_id: int, context_id: int, first: PassRequest, next_step: NextStep) -> None:
         with self._lock:
@@ -394,26 +385,6 @@ class ReplicatedEngine(ReplicaTotals):
     def _engines(self) -> list[Engine]:
         with self._lock:
             return [engine for _, engine, _ in self._live()]
-
-
-def start_engines(configs: Sequence[EngineConfig]) -> list[Engine]:
-    """One engine per configuration, started at once; `DriverFailed` (the others closed) if one
-    does not start or serves another model or vocabulary than the first."""
-    with concurrent.futures.ThreadPoolExecutor(len(configs)) as pool:
-        futures = [pool.submit(Engine.start, config) for config in configs]
-    engines = [f.result() for f in futures if f.exception() is None]
-    try:
-        for index, f in enumerate(futures):
-            if (error := f.exception()) is not None:
-                raise DriverFailed(f"replica {index} ({configs[index].driver}) did not start: {error}")
-        for index, engine in enumerate(engines[1:], 1):
-            if mismatch := disagreement(engines[0].handshake, engine.handshake):
-                raise DriverFailed(f"replica {index} ({configs[index].driver}) {mismatch}")
-    except BaseException:
-        for engine in engines:
-            engine.close()
-        raise
-    return engines
 
 
 def _fixed(engine: Engine) -> tuple[Engine, int]:

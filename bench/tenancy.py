@@ -114,6 +114,7 @@ def victim(url: str, num_requests: int) -> dict[str, Any]:
         "health_max_s": max(health, default=float("nan")),
         "num_ok": len(latencies),
         "errors": errors[:3],
+        "latencies_s": latencies,  # in the order sent: where in the attack the slow ones fell
     }
 
 

@@ -8,7 +8,8 @@ or, after a truncate, copied on the next write.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from host.errors import ContextNotFound, InvalidRequest, OutOfPages
@@ -29,6 +30,10 @@ class _ContextPages:
     # KV slots in use. pages[:pages_for(length)] hold them; pages past those are reserved
     # (by `reserve`, for a staged speculative write) and empty.
     length: int = 0
+    owner: int = 0  # whom its pages are charged to (the engine: the run)
+
+    def num_held(self) -> int:
+        return sum(1 for p in self.pages if p != HOLE)
 
 
 # A page a context released from its middle (attention sinks + window): its slots keep their
@@ -53,6 +58,10 @@ class PageTable:
         # A stack popped from the end: the lowest free page goes out first (deterministic ids).
         self._free = list(range(num_pages - 1, -1, -1))
         self._contexts: dict[int, _ContextPages] = {}
+        # Pages held per owner, kept as they change (a quota check reads it for every pass
+        # that grows a context: summing over every context there made N creations cost N^2).
+        # A page shared by k contexts counts k times.
+        self._held: Counter[int] = Counter()
         # Cached full pages hold one reference of their own (see host.prefix_cache).
         self.prefix_cache = prefix_cache
 
@@ -87,15 +96,25 @@ class PageTable:
     def context_ids(self) -> list[int]:
         return list(self._contexts)
 
+    def held_by_owner(self) -> Mapping[int, int]:
+        """Pages held per owner (`create`'s `owner`), a page once per context that holds it."""
+        return self._held
+
+    def _charge(self, ctx: _ContextPages, num_pages: int) -> None:
+        self._held[ctx.owner] += num_pages
+        if not self._held[ctx.owner]:
+            del self._held[ctx.owner]
+
     # ------------------------------------------------------------------ changes
 
-    def create(self, context_id: int) -> None:
+    def create(self, context_id: int, owner: int = 0) -> None:
         if context_id in self._contexts:
             raise InvalidRequest(f"context {context_id} already exists")
-        self._contexts[context_id] = _ContextPages()
+        self._contexts[context_id] = _ContextPages(owner=owner)
 
-    def fork(self, src_id: int, dst_id: int) -> list[PageCopy]:
-        """`dst_id` gets `src_id`'s tokens: full pages are shared, the partial last page is copied."""
+    def fork(self, src_id: int, dst_id: int, owner: int | None = None) -> list[PageCopy]:
+        """`dst_id` gets `src_id`'s tokens: full pages are shared, the partial last page is copied.
+        `owner`: whom the fork's pages are charged to (`src_id`'s owner by default)."""
         src = self._get(src_id)
         if dst_id in self._contexts:
             raise InvalidRequest(f"context {dst_id} already exists")
@@ -110,7 +129,8 @@ class PageTable:
         for page in shared:
             if page != HOLE:
                 self._refcount[page] += 1
-        self._contexts[dst_id] = _ContextPages(pages, src.length)
+        dst = self._contexts[dst_id] = _ContextPages(pages, src.length, src.owner if owner is None else owner)
+        self._charge(dst, dst.num_held())
         return copies
 
     def extend(self, context_id: int, num_tokens: int) -> list[PageCopy]:
@@ -133,6 +153,7 @@ class PageTable:
             ctx.pages[index] = new
             copies.append(PageCopy(old, new))
         ctx.pages.extend(fresh)
+        self._charge(ctx, len(fresh))
         ctx.length += num_tokens
         return copies
 
@@ -156,6 +177,7 @@ class PageTable:
             return False
         if num_new > 0:
             ctx.pages.extend(self._allocate(num_new))
+            self._charge(ctx, num_new)
         return True
 
     def adopt(self, context_id: int, pages: Sequence[int]) -> None:
@@ -166,6 +188,7 @@ class PageTable:
         for page in pages:
             self._refcount[page] += 1
         ctx.pages = list(pages)
+        self._charge(ctx, len(pages))
         ctx.length = len(pages) * self.page_size
 
     def register(self, context_id: int, index: int, key: bytes) -> bool:
@@ -193,6 +216,7 @@ class PageTable:
                 self._decref(ctx.pages[i])
                 ctx.pages[i] = HOLE
                 released += 1
+        self._charge(ctx, -released)
         return released
 
     def has_holes(self, context_id: int) -> bool:
@@ -209,6 +233,7 @@ class PageTable:
         for page in ctx.pages[keep:]:
             if page != HOLE:
                 self._decref(page)
+                self._charge(ctx, -1)
         del ctx.pages[keep:]
         ctx.length = length
 
@@ -216,6 +241,7 @@ class PageTable:
         ctx = self._contexts.pop(context_id, None)
         if ctx is None:
             raise ContextNotFound(context_id)
+        self._charge(ctx, -ctx.num_held())
         for page in ctx.pages:
             if page != HOLE:
                 self._decref(page)

@@ -73,7 +73,7 @@ class Contexts:
     def create(self, run_id: int) -> int:
         self._check_count(run_id)
         context_id = next(self._ids)
-        self.pages.create(context_id)
+        self.pages.create(context_id, owner=run_id)
         self.prefix.on_create(context_id)
         self._own(context_id, run_id)
         return context_id
@@ -88,7 +88,7 @@ class Contexts:
         self.check_quota(run_id, context_id, 0, extra_pages=len(self.pages.held(context_id)) + 1)
         child = next(self._ids)
         # The partial page's Copy goes out before the next pass (the loop sends copies first).
-        self._copies += self.pages.fork(context_id, child)
+        self._copies += self.pages.fork(context_id, child, owner=run_id)
         self.prefix.on_fork(context_id, child)
         self._own(child, run_id)
         return child
@@ -160,10 +160,7 @@ class Contexts:
         needed = max(0, -(-(self.pages.length(context_id) + num_tokens) // ps) - now) + extra_pages
         if needed == 0:
             return
-        held: dict[int, int] = {}
-        for c, r in self._owner.items():
-            held[r] = held.get(r, 0) + len(self.pages.held(c))
-        self._quota.check(run_id, needed, held, self.pages.num_available)
+        self._quota.check(run_id, needed, self.pages.held_by_owner(), self.pages.num_available)
 
     def set_group(self, run_id: int, group: str) -> None:
         self._quota.set_group(run_id, group)

@@ -136,6 +136,7 @@ class PageTableMachine(RuleBasedStateMachine):
         self.released: dict[int, set[int]] = {}  # slots in pages a context released (holes)
         self.ids = itertools.count(1)
         self.values = itertools.count()
+        self.owner: dict[int, int] = {}
 
     def _apply(self, copies: list[PageCopy]) -> None:
         for group in copy_groups(copies):
@@ -146,7 +147,8 @@ class PageTableMachine(RuleBasedStateMachine):
     @rule(target=contexts)
     def create(self) -> int:
         cid = next(self.ids)
-        self.table.create(cid)
+        self.owner[cid] = cid % 3
+        self.table.create(cid, owner=self.owner[cid])
         self.expected[cid] = []
         self.released[cid] = set()
         return cid
@@ -179,15 +181,16 @@ class PageTableMachine(RuleBasedStateMachine):
             assert self.table.refcount(page) == 1, "a staged write landed in a shared page"
             self.memory[page][slot % self.page_size] = "staged"
 
-    @rule(target=contexts, cid=contexts)
-    def fork(self, cid: int) -> int | MultipleResults[int]:
+    @rule(target=contexts, cid=contexts, owner=st.sampled_from([None, 0, 1, 2]))
+    def fork(self, cid: int, owner: int | None) -> int | MultipleResults[int]:
         new = next(self.ids)
         try:
-            copies = self.table.fork(cid, new)
+            copies = self.table.fork(cid, new, owner)
         except OutOfPages:
             assert not self.table.has(new)
             return multiple()
         self._apply(copies)
+        self.owner[new] = self.owner[cid] if owner is None else owner
         self.expected[new] = list(self.expected[cid])
         self.released[new] = set(self.released[cid])
         return new
@@ -234,6 +237,13 @@ class PageTableMachine(RuleBasedStateMachine):
                     holders[page] += 1
         assert holders == [self.table.refcount(p) for p in range(self.table.num_pages)]
         assert self.table.num_free == holders.count(0)
+
+    @invariant()
+    def pages_held_per_owner_are_kept_as_they_change(self) -> None:
+        held: dict[int, int] = {}
+        for cid in self.table.context_ids():
+            held[self.owner[cid]] = held.get(self.owner[cid], 0) + len(self.table.held(cid))
+        assert dict(self.table.held_by_owner()) == {o: n for o, n in held.items() if n}
 
     @invariant()
     def every_context_reads_its_own_tokens(self) -> None:

@@ -17,6 +17,7 @@ matches no request.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -86,9 +87,12 @@ class Staging:
         pages: PageTable,
         sink: PassSink,
         deferred_tokens: bool = False,
+        may_reserve: Callable[[int, int, int], bool] | None = None,
     ) -> None:
         self.speculator = Speculator(depth=depth)
         self._pages = pages
+        # (run, context, slots): whether the run's page quota lets the context take them
+        self._may_reserve = may_reserve
         self._sink = sink
         self._deferred_tokens = deferred_tokens  # the driver fills in tokens still in flight
         self._by_ticket: dict[int, StagedPass] = {}
@@ -175,7 +179,8 @@ class Staging:
         ctx = entry.context_id
         chain = self._chains.setdefault(ctx, [])
         offset = len(chain)  # slots past the committed length already taken by this chain
-        if not self._pages.reserve(ctx, offset + 1):
+        quota_ok = self._may_reserve is None or self._may_reserve(run_id, ctx, offset + 1)
+        if not quota_ok or not self._pages.reserve(ctx, offset + 1):
             self.speculator.skips["no_free_slot"] += 1
             self._drop(ctx)
             return None

@@ -12,7 +12,7 @@ import itertools
 from collections import Counter
 from collections.abc import Callable
 
-from host.errors import ContextLimitExceeded, ContextNotFound, ContextNotOwned, InvalidRequest
+from host.errors import ContextLimitExceeded, ContextNotFound, ContextNotOwned, InvalidRequest, PageQuotaExceeded
 from host.page_quota import PageQuota
 from host.pages import PageCopy, PageTable
 from host.passes import Pass
@@ -161,6 +161,16 @@ class Contexts:
         if needed == 0:
             return
         self._quota.check(run_id, needed, self.pages.held_by_owner(), self.pages.num_available)
+
+    def may_reserve(self, run_id: int, context_id: int, num_slots: int) -> bool:
+        """Whether `num_slots` past the context's length stay within its run's quota: a staged
+        speculative step reserves its slot only then (the pass it serves takes that slot
+        without a check of its own)."""
+        try:
+            self.check_quota(run_id, context_id, num_slots)
+        except PageQuotaExceeded:
+            return False
+        return True
 
     def set_group(self, run_id: int, group: str) -> None:
         self._quota.set_group(run_id, group)

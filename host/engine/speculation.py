@@ -28,7 +28,13 @@ class SpeculativeCore(EngineCore):
     def __init__(self, config: EngineConfig, handshake: Handshake) -> None:
         super().__init__(config, handshake)
         self._deferred_tokens = DEFERRED_TOKENS in handshake.capabilities
-        self.staging = Staging(config.speculation_depth, self.pages, self, deferred_tokens=self._deferred_tokens)
+        self.staging = Staging(
+            config.speculation_depth,
+            self.pages,
+            self,
+            deferred_tokens=self._deferred_tokens,
+            may_reserve=self.contexts.may_reserve,
+        )
         self.contexts.subscribe(self.staging.invalidate)
 
     def submit(self, run_id: int, context_id: int, request: PassRequest, waiter: Waiter) -> PassResult | None:

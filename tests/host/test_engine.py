@@ -462,6 +462,26 @@ def test_a_run_cannot_hold_more_than_its_share_of_the_pages() -> None:
         e.end_run(other)
 
 
+def test_a_speculated_step_stays_within_the_runs_share_of_the_pages() -> None:
+    """Speculation reserves each context's next slot ahead of its decode step, and the step it
+    serves takes that slot: the reservation is what the quota must check, or a run decoding
+    many contexts at a page boundary takes pages past its share (and the others' half)."""
+    args = ["--num-pages", "16", "--page-size", "4"]
+    with Engine.start(EngineConfig("dummy", args, speculation_depth=1, max_run_page_fraction=0.5)) as e:
+        greedy, other = next(_runs), next(_runs)
+        contexts = [e.create_context(greedy) for _ in range(4)]
+        tokens = {ctx: fill(e, greedy, ctx, [65, 66, 67]) for ctx in contexts}  # a page each
+        with pytest.raises(PageQuotaExceeded, match="past the quota of 8"):
+            for _ in range(16):
+                for ctx in contexts:
+                    tokens[ctx] = fill(e, greedy, ctx, [tokens[ctx]])
+                    assert e.num_free_pages >= 8, "the run took pages past its share"
+        theirs = e.create_context(other)
+        fill(e, other, theirs, [68] * 32)  # the other half is there for another run
+        e.end_run(greedy)
+        e.end_run(other)
+
+
 def test_the_runs_of_one_group_share_a_quota() -> None:
     # 16 pages of 4 tokens; a run may hold 12, a group 12: two runs of one group cannot take
     # more than 12 together, a run of another group still gets its pages.

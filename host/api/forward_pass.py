@@ -144,29 +144,39 @@ def run_pass_records(run: RunState, builder: PassBuilder) -> list[Record] | str:
     return [_output_record(s, r) for s, r in zip(builder.outputs, results, strict=True)]
 
 
-def run_group_records(run: RunState, builders: list[PassBuilder]) -> list[list[Record] | str]:
-    """Run passes of distinct contexts as one group (`Services.forward_group`): one result per
-    builder, in order, each as `run_pass_records` gives it. A pass already `submit`ted alone is
-    waited for instead."""
-    prepared = [None if b.submitted is not None else pass_request(run, b) for b in builders]
+def run_group(run: RunState, builders: list[PassBuilder]) -> list[list[OutputResult] | str]:
+    """Run passes of distinct contexts (none submitted alone) as one group
+    (`Services.forward_group`): one result per builder, in order, each as `run_pass` gives it."""
+    prepared = [pass_request(run, b) for b in builders]
     group = [p for p in prepared if isinstance(p, tuple)]
     started_s = time.perf_counter()
     try:
         answers = iter(run.services.forward_group(run.run_id, group, may_wait=run.check_can_continue))
     finally:
         run.forward_wait_s += time.perf_counter() - started_s
-    results: list[list[Record] | str] = []
-    for builder, item in zip(builders, prepared, strict=True):
-        if item is None:  # submitted alone before
-            assert builder.submitted is not None
-            future, builder.submitted = builder.submitted, None
-            results.append(future.result())
-        elif isinstance(item, str):
+    results: list[list[OutputResult] | str] = []
+    for item in prepared:
+        if isinstance(item, str):
             results.append(item)
         else:
             answer = next(answers)
-            if isinstance(answer, HostError):
-                results.append(error_text(answer))
-            else:
-                results.append([_output_record(s, r) for s, r in zip(builder.outputs, answer.outputs, strict=True)])
+            results.append(error_text(answer) if isinstance(answer, HostError) else answer.outputs)
+    return results
+
+
+def run_group_records(run: RunState, builders: list[PassBuilder]) -> list[list[Record] | str]:
+    """`run_group` with WIT output records; a pass already `submit`ted alone is waited for
+    instead."""
+    answers = iter(run_group(run, [b for b in builders if b.submitted is None]))
+    results: list[list[Record] | str] = []
+    for builder in builders:
+        if builder.submitted is not None:
+            future, builder.submitted = builder.submitted, None
+            results.append(future.result())
+            continue
+        answer = next(answers)
+        if isinstance(answer, str):
+            results.append(answer)
+        else:
+            results.append([_output_record(s, r) for s, r in zip(builder.outputs, answer, strict=True)])
     return results

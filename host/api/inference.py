@@ -26,7 +26,15 @@ from bridge_schema.messages import Probe, SamplerKind
 from host.api import adapter as adapter_api
 from host.api import generation
 from host.api import grammar as grammar_api
-from host.api.forward_pass import KIND, PassBuilder, pass_builder, run_group_records, run_pass, run_pass_records
+from host.api.forward_pass import (
+    KIND,
+    PassBuilder,
+    pass_builder,
+    run_group,
+    run_group_records,
+    run_pass,
+    run_pass_records,
+)
 from host.api.host_call import borrowed_rep, host_function
 from host.api.host_call import field as rec_field
 from host.sandbox import raw_calls
@@ -230,19 +238,67 @@ def decode_stock(run: RunState, ctx: ResourceAny, tokens: list[int], sampler: An
     return decode(run, borrowed_rep(run, ctx), tokens, _sampler(sampler))
 
 
+def _raw_sampler(val: Any) -> Sampler:
+    kind, temperature, top_k, top_p, min_p, seed = raw_calls.record_values(val)
+    sampler_kind = _SAMPLER_KINDS.get(raw_calls.enum_name(kind))
+    if sampler_kind is None:
+        raise wasmtime.WasmtimeError("unknown sampler kind")
+    return Sampler(sampler_kind, temperature.of.f32, top_k.of.u32, top_p.of.f32, min_p.of.f32, seed.of.s64)
+
+
 def _decode_raw(context: Any, args: Any) -> Any:
     started_s = time.perf_counter()
     run = current()
     run.check_can_continue()
     run.leave_guest()
     try:
-        kind, temperature, top_k, top_p, min_p, seed = raw_calls.record_values(args[2])
-        sampler_kind = _SAMPLER_KINDS.get(raw_calls.enum_name(kind))
-        if sampler_kind is None:
-            raise wasmtime.WasmtimeError("unknown sampler kind")
-        sampler = Sampler(sampler_kind, temperature.of.f32, top_k.of.u32, top_p.of.f32, min_p.of.f32, seed.of.s64)
+        sampler = _raw_sampler(args[2])
         result = decode(run, raw_calls.borrow_rep(context, args[0]), raw_calls.u32_list(args[1]), sampler)
         return raw_calls.err_string(result) if isinstance(result, str) else raw_calls.ok_u32(result)
+    finally:
+        run.enter_guest()
+        run.rearm_watchdog()
+        run.note_host_call(started_s)
+
+
+def decode_all(run: RunState, reps: list[int], tokens: list[Any], samplers: list[Sampler]) -> list[int | str]:
+    """`decode-all`: one decode step on each context (by rep), as one group. `tokens`: each
+    context's input, raw list values still in the guest's arguments."""
+    if len(tokens) != len(reps) or len(samplers) not in (1, len(reps)):
+        raise wasmtime.WasmtimeError(
+            f"decode-all: {len(reps)} contexts, {len(tokens)} token lists and {len(samplers)} samplers: give one "
+            "token list per context, and one sampler or one per context"
+        )
+    if len(set(reps)) != len(reps):
+        raise wasmtime.WasmtimeError("decode-all: a context may appear only once")
+    for rep in reps:
+        try:
+            run.resources.get(ResourceKind.CONTEXT, rep)
+        except KeyError:
+            raise wasmtime.WasmtimeError(f"decode-all: no live context with id {rep}") from None
+    charged = sum(raw_calls.list_len(t) for t in tokens) * _ELEMENT_BYTES
+    run.charge_pass_buffers(charged)  # held while the group runs, like a pass's buffers
+    try:
+        builders = []
+        for i, (rep, items) in enumerate(zip(reps, tokens, strict=True)):
+            builder = PassBuilder(rep, tokens=raw_calls.u32_list(items))
+            builder.outputs.append(OutputSpec(row=len(builder.tokens) - 1, sampler=samplers[i % len(samplers)]))
+            builders.append(builder)
+        return [r if isinstance(r, str) else int(r[0].token) for r in run_group(run, builders)]
+    finally:
+        run.release_pass_buffers(charged)
+        run.check_can_continue()  # a run cancelled while its passes were in flight stops here
+
+
+def _decode_all_raw(_context: Any, args: Any) -> Any:
+    started_s = time.perf_counter()
+    run = current()
+    run.check_can_continue()
+    run.leave_guest()
+    try:
+        samplers = [_raw_sampler(v) for v in raw_calls.list_items(args[2])]
+        results = decode_all(run, raw_calls.u32_list(args[0]), raw_calls.list_items(args[1]), samplers)
+        return raw_calls.results_u32(results)
     finally:
         run.enter_guest()
         run.rearm_watchdog()
@@ -287,6 +343,7 @@ def register(instance: LinkerInstance) -> None:
     instance.add_func("[method]forward-pass.generate", generation.generate)
     raw_calls.add_raw_func(instance, "[method]forward-pass.id", _pass_id_raw)
     instance.add_func("execute-all", execute_all)
+    raw_calls.add_raw_func(instance, "decode-all", _decode_all_raw)
     if USE_RAW_DECODE:
         raw_calls.add_raw_func(instance, "decode", _decode_raw)
     else:

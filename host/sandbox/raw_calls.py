@@ -49,6 +49,21 @@ def u32_list(val: Val) -> list[int]:
     return [data[i].of.u32 for i in range(val.of.list.size)]
 
 
+def list_items(val: Val) -> list[Val]:
+    """The elements of a list (still owned by `val`)."""
+    if val.kind != ffi.WASMTIME_COMPONENT_LIST.value:
+        raise wasmtime.WasmtimeError("expected a list")
+    data = val.of.list.data
+    return [data[i] for i in range(val.of.list.size)]
+
+
+def list_len(val: Val) -> int:
+    if val.kind != ffi.WASMTIME_COMPONENT_LIST.value:
+        raise wasmtime.WasmtimeError("expected a list")
+    size: int = val.of.list.size
+    return size
+
+
 def record_values(val: Val) -> list[Val]:
     """The field values of a record, in WIT declaration order (still owned by `val`)."""
     if val.kind != ffi.WASMTIME_COMPONENT_RECORD.value:
@@ -87,6 +102,18 @@ def err_string(message: str) -> Val:
     out.kind = ffi.WASMTIME_COMPONENT_RESULT
     out.of.result.is_ok = False
     out.of.result.val = ffi.wasmtime_component_val_new(byref(inner))
+    return out
+
+
+def results_u32(values: list[int | str]) -> Val:
+    """A `list<result<u32, string>>`: an int is ok, a str an error."""
+    items = ffi.wasmtime_component_vallist_t()
+    ffi.wasmtime_component_vallist_new_uninit(items, len(values))
+    for i, value in enumerate(values):
+        items.data[i] = err_string(value) if isinstance(value, str) else ok_u32(value)
+    out = ffi.wasmtime_component_val_t()
+    out.kind = ffi.WASMTIME_COMPONENT_LIST
+    out.of.list = items
     return out
 
 

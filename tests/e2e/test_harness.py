@@ -114,6 +114,60 @@ def test_execute_all_traps_on_ids_that_are_not_distinct_live_passes(
     assert message in (result.error or "")
 
 
+@pytest.mark.parametrize("case", ["agree", "agree_random"])
+def test_decode_steps_in_one_call_give_what_one_step_at_a_time_gives(
+    inferlet_runner: InferletRunner, case: str
+) -> None:
+    """decode_steps on plain contexts is one `decode-all` host call a step, greedy or with a
+    seeded sampler per context."""
+    result = inferlet_runner.run(GROUP, case)
+    assert result.ok, result.error
+    report = json.loads(result.messages[-1])
+    assert report["grouped"] == report["alone"]
+    assert all(len(tokens) > 6 for tokens in report["grouped"])
+
+
+@pytest.mark.dummy(speculation_depth=0, pass_latency_ms=20)
+def test_decode_all_runs_its_contexts_in_one_device_pass_a_step(inferlet_runner: InferletRunner) -> None:
+    forwards = int(inferlet_runner.engine.driver_health()["forwards"])
+    result = inferlet_runner.run(GROUP, "agree")
+    assert result.ok, result.error
+    passes = int(inferlet_runner.engine.driver_health()["forwards"]) - forwards
+    # The grouped contexts: 1 pass a step for 6 steps; the others 3 a step, one at a time.
+    assert passes == 6 + 3 * 6, passes
+
+
+def test_a_refused_step_in_decode_all_fails_alone(inferlet_runner: InferletRunner) -> None:
+    result = inferlet_runner.run(GROUP, "decode_partial")
+    assert result.ok, result.error
+    good, bad, other, kv = json.loads(result.messages[-1])
+    assert isinstance(good["token"], int) and isinstance(other["token"], int)
+    assert "input token out of range" in bad["error"], bad
+    assert kv == {"kv": [2, 0, 1]}
+    sdk = inferlet_runner.run(GROUP, "decode_sdk_partial")
+    report = json.loads(sdk.messages[-1])
+    assert "input token out of range" in report["error"]
+    assert len(report["good"]) == 2 and report["committed"] == 1  # its step ran: token kept
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("decode_duplicate", "a context may appear only once"),
+        ("decode_unknown", "no live context with id 4000000000"),
+        ("decode_released", "no live context with id"),
+        ("decode_mismatch", "2 contexts, 1 token lists and 1 samplers"),
+        ("decode_no_sampler", "1 contexts, 1 token lists and 0 samplers"),
+    ],
+)
+def test_decode_all_traps_on_contexts_that_are_not_distinct_and_live(
+    inferlet_runner: InferletRunner, case: str, message: str
+) -> None:
+    result = inferlet_runner.run(GROUP, case)
+    assert result.status == "trapped", (result.status, result.error)
+    assert message in (result.error or "")
+
+
 def test_an_empty_group_returns_no_results(inferlet_runner: InferletRunner) -> None:
     result = inferlet_runner.run(GROUP, "empty")
     assert result.ok and result.messages == ["[]"]

@@ -62,6 +62,7 @@ class Context:
         self._handle = _handle if _handle is not None else _call(_ctx.Context.create)
         self._tokens: list[int] = list(_tokens or [])
         self._committed = _committed
+        self._id: int | None = None  # the handle's number, for group calls (asked once)
         self.adapter: Adapter | None = None
         """When set, every later pass of this context runs through this LoRA adapter."""
         self.attention: Window | None = None
@@ -462,7 +463,39 @@ def decode_steps(contexts: list[Context], sampler: SamplerChoice = GREEDY) -> li
     """`decode_step` on several contexts at once: their passes share device passes instead of
     running one after another. `sampler`: one for all, or one per context (a seeded `Random`
     each for best-of-n, say). Returns one token per context, in order."""
-    return [choice.token for choice in _decode_all(contexts, _samplers(contexts, sampler), _NO_PROBE)]
+    samplers = _samplers(contexts, sampler)
+    if all(c.adapter is None and c.attention is None for c in contexts):
+        return _decode_plain(contexts, sampler if isinstance(sampler, (Greedy, Random)) else samplers)
+    return [choice.token for choice in _decode_all(contexts, samplers, _NO_PROBE)]
+
+
+def _decode_plain(contexts: list[Context], sampler: Sampler | list[Sampler]) -> list[int]:
+    """`decode_steps` without adapters or windows: the whole step in one host call
+    (`decode-all`). Contexts whose step ran take their token even when another's failed;
+    then the first failure is raised."""
+    if len({id(c) for c in contexts}) != len(contexts):
+        raise InferenceError("each context may appear only once")
+    for ctx in contexts:
+        if not ctx.pending:
+            raise InferenceError("nothing to predict from: fill() the context first")
+        ctx._check_fits()
+        handle = ctx._live()
+        if ctx._id is None:
+            ctx._id = int(handle.id())
+    wit = [sampler.to_wit()] if isinstance(sampler, (Greedy, Random)) else [s.to_wit() for s in sampler]
+    ids = [int(c._id or 0) for c in contexts]
+    results = _inf.decode_all(ids, [c.pending for c in contexts], wit)
+    tokens, failure = [], None
+    for ctx, result in zip(contexts, results, strict=True):
+        if isinstance(result, Err):
+            failure = failure or str(result.value)
+            continue
+        ctx._committed = len(ctx._tokens)
+        ctx._tokens.append(int(result.value))
+        tokens.append(int(result.value))
+    if failure is not None:
+        raise InferenceError(failure)
+    return tokens
 
 
 def decode_steps_with_logprobs(contexts: list[Context], sampler: SamplerChoice = GREEDY) -> list[TokenChoice]:

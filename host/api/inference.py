@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -246,19 +247,30 @@ def _raw_sampler(val: Any) -> Sampler:
     return Sampler(sampler_kind, temperature.of.f32, top_k.of.u32, top_p.of.f32, min_p.of.f32, seed.of.s64)
 
 
-def _decode_raw(context: Any, args: Any) -> Any:
-    started_s = time.perf_counter()
-    run = current()
-    run.check_can_continue()
-    run.leave_guest()
-    try:
-        sampler = _raw_sampler(args[2])
-        result = decode(run, raw_calls.borrow_rep(context, args[0]), raw_calls.u32_list(args[1]), sampler)
-        return raw_calls.err_string(result) if isinstance(result, str) else raw_calls.ok_u32(result)
-    finally:
-        run.enter_guest()
-        run.rearm_watchdog()
-        run.note_host_call(started_s)
+def _raw_host_call(handler: Callable[[RunState, Any, Any], Any]) -> raw_calls.RawHandler:
+    """A raw callback that runs `handler(run, context, args)` as `host_function` runs a stock
+    one: out of the guest's compute turn, with the watchdog rearmed and the call timed."""
+
+    def call(context: Any, args: Any) -> Any:
+        started_s = time.perf_counter()
+        run = current()
+        run.check_can_continue()
+        run.leave_guest()
+        try:
+            return handler(run, context, args)
+        finally:
+            run.enter_guest()
+            run.rearm_watchdog()
+            run.note_host_call(started_s)
+
+    return call
+
+
+@_raw_host_call
+def _decode_raw(run: RunState, context: Any, args: Any) -> Any:
+    sampler = _raw_sampler(args[2])
+    result = decode(run, raw_calls.borrow_rep(context, args[0]), raw_calls.u32_list(args[1]), sampler)
+    return raw_calls.err_string(result) if isinstance(result, str) else raw_calls.ok_u32(result)
 
 
 def decode_all(run: RunState, reps: list[int], tokens: list[Any], samplers: list[Sampler]) -> list[int | str]:
@@ -290,19 +302,11 @@ def decode_all(run: RunState, reps: list[int], tokens: list[Any], samplers: list
         run.check_can_continue()  # a run cancelled while its passes were in flight stops here
 
 
-def _decode_all_raw(_context: Any, args: Any) -> Any:
-    started_s = time.perf_counter()
-    run = current()
-    run.check_can_continue()
-    run.leave_guest()
-    try:
-        samplers = [_raw_sampler(v) for v in raw_calls.list_items(args[2])]
-        results = decode_all(run, raw_calls.u32_list(args[0]), raw_calls.list_items(args[1]), samplers)
-        return raw_calls.results_u32(results)
-    finally:
-        run.enter_guest()
-        run.rearm_watchdog()
-        run.note_host_call(started_s)
+@_raw_host_call
+def _decode_all_raw(run: RunState, _context: Any, args: Any) -> Any:
+    samplers = [_raw_sampler(v) for v in raw_calls.list_items(args[2])]
+    results = decode_all(run, raw_calls.u32_list(args[0]), raw_calls.list_items(args[1]), samplers)
+    return raw_calls.results_u32(results)
 
 
 _helper_pool: ThreadPoolExecutor | None = None

@@ -98,22 +98,6 @@ def test_a_refused_pass_in_a_group_fails_alone(inferlet_runner: InferletRunner) 
     assert kv == {"kv": [2, 0, 1]}
 
 
-@pytest.mark.parametrize(
-    ("case", "message"),
-    [
-        ("duplicate", "a forward pass may appear only once"),
-        ("unknown", "no live forward pass with id 4000000000"),
-        ("released", "no live forward pass with id"),
-    ],
-)
-def test_execute_all_traps_on_ids_that_are_not_distinct_live_passes(
-    inferlet_runner: InferletRunner, case: str, message: str
-) -> None:
-    result = inferlet_runner.run(GROUP, case)
-    assert result.status == "trapped", (result.status, result.error)
-    assert message in (result.error or "")
-
-
 @pytest.mark.parametrize("case", ["agree", "agree_random"])
 def test_decode_steps_in_one_call_give_what_one_step_at_a_time_gives(
     inferlet_runner: InferletRunner, case: str
@@ -153,6 +137,9 @@ def test_a_refused_step_in_decode_all_fails_alone(inferlet_runner: InferletRunne
 @pytest.mark.parametrize(
     ("case", "message"),
     [
+        ("duplicate", "a forward pass may appear only once"),
+        ("unknown", "no live forward pass with id 4000000000"),
+        ("released", "no live forward pass with id"),
         ("decode_duplicate", "a context may appear only once"),
         ("decode_unknown", "no live context with id 4000000000"),
         ("decode_released", "no live context with id"),
@@ -160,9 +147,10 @@ def test_a_refused_step_in_decode_all_fails_alone(inferlet_runner: InferletRunne
         ("decode_no_sampler", "1 contexts, 1 token lists and 0 samplers"),
     ],
 )
-def test_decode_all_traps_on_contexts_that_are_not_distinct_and_live(
+def test_group_calls_trap_on_ids_that_are_not_distinct_and_live(
     inferlet_runner: InferletRunner, case: str, message: str
 ) -> None:
+    """execute-all's pass ids and decode-all's context ids, as a bad handle would."""
     result = inferlet_runner.run(GROUP, case)
     assert result.status == "trapped", (result.status, result.error)
     assert message in (result.error or "")

@@ -16,6 +16,7 @@ from wit_world.imports import inference as _inf
 
 from inferlet.adapter import Adapter
 from inferlet.attention import LogitMask, Window
+from inferlet.checks import need_ints
 from inferlet.grammar import Grammar, Matcher
 from inferlet.model import model_info, tokenize
 from inferlet.sampling import Greedy, Random, Sampler
@@ -131,7 +132,10 @@ class Context:
     def fill(self, text_or_tokens: str | Iterable[int]) -> None:
         """Append a prompt (text is tokenized by the model's tokenizer). Nothing runs until the
         next `flush`, `decode_step`, `generate` or `fork`."""
-        new = tokenize(text_or_tokens) if isinstance(text_or_tokens, str) else [int(t) for t in text_or_tokens]
+        if isinstance(text_or_tokens, str):
+            new = tokenize(text_or_tokens)
+        else:
+            new = need_ints(text_or_tokens, "fill()'s tokens (or give text as a str)")
         vocab = model_info().vocab_size
         if any(t < 0 or t >= vocab for t in new):
             raise InferenceError(f"token out of range for a vocabulary of {vocab}")

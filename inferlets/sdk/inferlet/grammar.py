@@ -10,6 +10,8 @@ from typing import Any
 from componentize_py_types import Err
 from wit_world.imports import grammar as _g
 
+from inferlet.checks import need
+
 
 class GrammarError(Exception):
     """The host could not compile the grammar (the message names the problem)."""
@@ -34,21 +36,27 @@ class Grammar:
         """JSON valid against `schema` (properties in the schema's order). Other options as the
         host's compiler takes them: `reject_unsupported`, `max_length_limit`, `backend`
         ("auto", "xgrammar" or "llguidance"); see docs/grammar.md."""
+        need(schema, (str, dict), "Grammar.json_schema()'s schema")
         text = schema if isinstance(schema, str) else json.dumps(schema)
         return Grammar("json-schema", text, strict=strict, compact=compact, **options)
 
     @staticmethod
     def regex(pattern: str) -> Grammar:
+        need(pattern, str, "Grammar.regex()'s pattern")
         return Grammar("regex", pattern)
 
     @staticmethod
     def ebnf(text: str, root: str = "root") -> Grammar:
+        need(text, str, "Grammar.ebnf()'s text")
+        need(root, str, "Grammar.ebnf()'s root")
         return Grammar("ebnf", text, root=root)
 
     @staticmethod
     def tool_call(tools: list[dict[str, Any]], choice: str = "required") -> Grammar:
         """A call of one of `tools` (OpenAI function format): `choice` is a tool name,
         "required" (some tool) or "auto" (text, or calls between markers)."""
+        need(tools, list, "Grammar.tool_call()'s tools")
+        need(choice, str, "Grammar.tool_call()'s choice")
         return Grammar("tool-call", json.dumps(tools), choice=choice)
 
     @property

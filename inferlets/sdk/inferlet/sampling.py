@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from wit_world.imports import inference as _inf
 
+from inferlet.checks import need
+
 
 @dataclass(frozen=True)
 class Greedy:
@@ -28,6 +30,10 @@ class Random:
     seed: int = -1
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p"):
+            need(getattr(self, name), (float, int), f"Random's {name}")
+        for name in ("top_k", "seed"):
+            need(getattr(self, name), int, f"Random's {name}")
         if self.temperature <= 0:
             raise ValueError("temperature must be positive (use Greedy() for temperature 0)")
         if not 0 < self.top_p <= 1 or not 0 <= self.min_p <= 1 or self.top_k < 0:

@@ -19,7 +19,7 @@ released and the KV pages they held (forks' shared pages counted once).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +27,8 @@ from host.build import build, resolve_inferlet, rewrite_guest_paths
 from host.engine import Engine, EngineConfig
 from host.sandbox import BufferedRunIO, RunHandle, RunStatus, Sandbox, SandboxConfig
 from host.sandbox.config import MIB, default_cache_dir
+
+_Counters = Callable[[], tuple[int, int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +40,12 @@ class RunResult:
     contexts_held: int  # contexts it had not released when its main returned
     pages_held: int  # the KV pages those contexts held (pages shared by forks once)
     run_id: int
+    # The engine's counters over the run, from its start to its end (so they include any
+    # other run of the runner live meanwhile): device passes the driver ran (a batch of
+    # several contexts' passes is one), and decode steps answered by a speculatively
+    # pre-fired pass (0 with `speculation_depth=0`).
+    forwards: int = 0
+    speculation_hits: int = 0
 
     @property
     def ok(self) -> bool:
@@ -47,10 +55,19 @@ class RunResult:
 class LiveRun:
     """A started run: send it messages, close its inbox, wait for its result."""
 
-    def __init__(self, handle: RunHandle, io: BufferedRunIO, source_dir: Path | None) -> None:
+    def __init__(
+        self,
+        handle: RunHandle,
+        io: BufferedRunIO,
+        source_dir: Path | None,
+        counters: _Counters,
+        at_start: tuple[int, int],
+    ) -> None:
         self._handle = handle
         self._io = io
         self._source_dir = source_dir
+        self._counters = counters
+        self._at_start = at_start
 
     def send(self, message: str) -> None:
         """A message the run's `receive()` returns."""
@@ -75,6 +92,7 @@ class LiveRun:
 
     def wait(self) -> RunResult:
         outcome = self._handle.wait()
+        forwards, hits = (end - start for end, start in zip(self._counters(), self._at_start, strict=True))
         error = outcome.error
         if error is not None and self._source_dir is not None:
             error = rewrite_guest_paths(error, self._source_dir)  # tracebacks name your files
@@ -86,6 +104,8 @@ class LiveRun:
             outcome.held_contexts,
             outcome.held_pages,
             outcome.run_id,
+            forwards,
+            hits,
         )
 
 
@@ -139,9 +159,14 @@ class InferletRunner:
     def start(self, inferlet: str | Path, *args: str) -> LiveRun:
         loaded = self._sandbox.load(self.build(inferlet))
         io = BufferedRunIO()
+        at_start = self._counters()
         handle = self._sandbox.start(loaded, self._engine, list(args), io=io)
         source_dir = None if Path(inferlet).suffix == ".wasm" else resolve_inferlet(str(inferlet))
-        return LiveRun(handle, io, source_dir)
+        return LiveRun(handle, io, source_dir, self._counters, at_start)
+
+    def _counters(self) -> tuple[int, int]:
+        forwards = int(self._engine.driver_health()["forwards"])
+        return forwards, self._engine.speculation_stats().get("speculation_hits", 0)
 
     def run(self, inferlet: str | Path, *args: str, messages: Sequence[str] = ()) -> RunResult:
         """Run to the end: `messages` are waiting for its `receive()`, then the inbox closes."""

@@ -63,11 +63,9 @@ def test_best_of_n_branches_each_sample_with_their_own_seed_and_share_passes(
     step reach the scheduler as one group: one device pass a step for all three (submitted one
     by one, the first branch's pass went out alone and the other two joined the next: 1 + 2 * 5)."""
     prompt = ("--prompt", "x" * 20, "--branches", "3", "--max-tokens", "5", "--ignore-eos")
-    forwards = int(inferlet_runner.engine.driver_health()["forwards"])
     seven = inferlet_runner.run("parallel_generation", *prompt, "--seed", "7")
     assert seven.ok, seven.error
-    passes = int(inferlet_runner.engine.driver_health()["forwards"]) - forwards
-    assert passes == 1 + 5, passes  # the shared prompt, then one pass a step for all branches
+    assert seven.forwards == 1 + 5, seven.forwards  # the shared prompt, then one pass a step for all branches
     eight = inferlet_runner.run("parallel_generation", *prompt, "--seed", "8")
     a, b = json.loads(seven.messages[-1]), json.loads(eight.messages[-1])
     assert a["branches"][1:] == b["branches"][:2] and a["logprobs"][1:] == b["logprobs"][:2]
@@ -113,12 +111,11 @@ def test_decode_steps_in_one_call_give_what_one_step_at_a_time_gives(
 
 @pytest.mark.dummy(speculation_depth=0, pass_latency_ms=20)
 def test_decode_all_runs_its_contexts_in_one_device_pass_a_step(inferlet_runner: InferletRunner) -> None:
-    forwards = int(inferlet_runner.engine.driver_health()["forwards"])
     result = inferlet_runner.run(GROUP, "agree")
     assert result.ok, result.error
-    passes = int(inferlet_runner.engine.driver_health()["forwards"]) - forwards
     # The grouped contexts: 1 pass a step for 6 steps; the others 3 a step, one at a time.
-    assert passes == 6 + 3 * 6, passes
+    assert result.forwards == 6 + 3 * 6, result.forwards
+    assert result.speculation_hits == 0
 
 
 def test_a_refused_step_in_decode_all_fails_alone(inferlet_runner: InferletRunner) -> None:
@@ -161,6 +158,29 @@ def test_an_empty_group_returns_no_results(inferlet_runner: InferletRunner) -> N
     assert result.ok and result.messages == ["[]"]
 
 
+@pytest.mark.parametrize(
+    ("case", "line", "message"),
+    [
+        ("emit_int", 8, "emit()'s text must be str, not int"),
+        ("send_dict", 12, "send()'s message must be str, not dict"),
+        ("fill_floats", 16, "fill()'s tokens (or give text as a str)[1] must be int, not float"),
+        ("fill_int", 20, "fill()'s tokens (or give text as a str) must be an iterable of int, not int"),
+        ("random_str", 24, "Random's temperature must be float or int, not str"),
+        ("regex_int", 28, "Grammar.regex()'s pattern must be str, not int"),
+    ],
+)
+def test_a_wrong_argument_type_is_a_type_error_at_the_authors_line(
+    inferlet_runner: InferletRunner, case: str, line: int, message: str
+) -> None:
+    """Not a panic in the guest runtime once the value reaches the host: a TypeError naming the
+    argument, with the author's file and line in the traceback."""
+    result = inferlet_runner.run(HERE / "inferlets" / "typos", case)
+    assert result.status == "guest_error", (result.status, result.error)
+    error = result.error or ""
+    assert f"TypeError: {message}" in error, error
+    assert f'app.py", line {line}, in {case}' in error, error
+
+
 def test_messages_both_ways(inferlet_runner: InferletRunner) -> None:
     live = inferlet_runner.start(ECHO, "echo")
     live.send("one")
@@ -185,6 +205,15 @@ def test_a_failing_run_reports_its_error(inferlet_runner: InferletRunner) -> Non
     result = inferlet_runner.run("text_completion", "--max-tokens", "4")  # --prompt is required
     assert not result.ok and result.status == "guest_error"
     assert "the following arguments are required: --prompt" in (result.error or "")
+
+
+@pytest.mark.dummy(say="Hello, world!")
+def test_a_run_result_counts_device_passes_and_speculation_hits(inferlet_runner: InferletRunner) -> None:
+    """A guest loop of 13 decode steps after the prompt: with speculation on (depth 1), steps
+    are answered by passes pre-fired while the guest handled the token before."""
+    result = inferlet_runner.run("text_completion", "--prompt", "Hi", "--max-tokens", "40", "--per-token")
+    assert result.ok and result.output == "Hello, world!"
+    assert 0 < result.speculation_hits <= 13 and result.forwards >= 14
 
 
 def test_the_runner_works_without_pytest() -> None:

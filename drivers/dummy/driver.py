@@ -71,8 +71,9 @@ class DummyDriver:
         self.num_pages = config.num_pages
         self._rng = np.random.default_rng(config.seed)
         self._adapters: set[int] = set()
-        # With a script: per context, the script index sampled at each input position.
-        self._said: dict[int, dict[int, int]] = {}
+        # With a script: per context, at each input position, the script index sampled there and
+        # the token it gave (a mask may have refused the script's).
+        self._said: dict[int, dict[int, tuple[int, int]]] = {}
         self._said_last: dict[int, int] = {}  # per context, the highest position in `_said`
         # With a pass latency: when the simulated device is free, and when the last reply is due.
         self._device_free_at = 0.0
@@ -96,6 +97,10 @@ class DummyDriver:
             check_prefix_match_unit(hello.prefix_match_unit, self.page_size, hello.speculation_depth)
         except ConfigError as exc:
             raise ConfigRejected(exc.detail, exc.field) from None
+        # A new host (a kept driver serves one after another) numbers its contexts from 1 again:
+        # they start the script afresh.
+        self._said.clear()
+        self._said_last.clear()
         return Handshake(
             driver_kind="dummy",
             model_name="dummy",
@@ -130,15 +135,38 @@ class DummyDriver:
 
     def _forward(self, f: Forward) -> ForwardResult:
         result = self._sample(f)
-        if self.config.script and f.num_outputs:
-            self._say(f, result.tokens)
+        if self.config.script:
+            self._forget_discarded(f)
+            if f.num_outputs:
+                self._say(f, result.tokens)
         return result
+
+    def _forget_discarded(self, f: Forward) -> None:
+        """A sample the context did not continue with is forgotten, with every later one: a
+        pass that writes another token at position p + 1 than the one sampled at p (a staged
+        step the inferlet never used, then a new prompt) takes the script back to p. So what a
+        context says does not depend on speculation."""
+        indptr = f.token_indptr.tolist()
+        for r in range(f.num_requests):
+            context = int(f.context_ids[r])
+            said = self._said.get(context)
+            if not said:
+                continue
+            lo, hi = indptr[r], indptr[r + 1]
+            for position, token in zip(f.positions[lo:hi].tolist(), f.tokens[lo:hi].tolist(), strict=True):
+                got = said.get(position - 1)
+                if got is not None and got[1] != token:
+                    for p in [p for p in said if p >= position - 1]:
+                        del said[p]
+                    self._said_last[context] = max(said, default=-1)
+                    break
 
     def _say(self, f: Forward, tokens: npt.NDArray[np.int32]) -> None:
         """Each context samples the script in order, one token per new position, then
-        ENDOFTEXT; a position sampled again (a rolled-back or discarded step) gets the same
-        token. A logit mask that refuses the scripted token keeps the draw within it. A fork is
-        a new context: it starts the script again."""
+        ENDOFTEXT; a position sampled again (a retried step) gets the same token, and a sample
+        the context did not go on with is taken back (`_forget_discarded`). A logit mask that
+        refuses the scripted token keeps the draw within it. A fork is a new context: it starts
+        the script again."""
         script, words = self.config.script, logit_mask_words(self.config.vocab_size)
         out_ptr = f.out_indptr.tolist()
         for r in range(f.num_requests):
@@ -147,22 +175,25 @@ class DummyDriver:
             first = int(f.token_indptr[r])
             for i in range(out_ptr[r], out_ptr[r + 1]):
                 position = int(f.positions[first + int(f.out_rows[i])])
-                k = said.get(position)
-                if k is None:  # one past the latest position before it: the last one, as a rule
+                got = said.get(position)
+                if got is None:  # one past the latest position before it: the last one, as a rule
                     last = self._said_last.get(context, -1)
                     if last < position:
-                        k = said[last] + 1 if last >= 0 else 0
+                        k = said[last][0] + 1 if last >= 0 else 0
                         self._said_last[context] = position
                     else:
-                        k = max((said[p] for p in said if p < position), default=-1) + 1
-                    said[position] = k
+                        k = max((said[p][0] for p in said if p < position), default=-1) + 1
+                else:
+                    k = got[0]
                 want = script[k] if k < len(script) else ENDOFTEXT
                 mask = int(f.logit_mask_index[i])
                 if mask >= 0:
                     allowed = unpack_allowed(self.config.vocab_size, f.logit_masks[mask * words : (mask + 1) * words])
                     if not allowed[want]:
+                        said[position] = (k, int(tokens[i]))
                         continue
                 tokens[i] = want
+                said[position] = (k, want)
 
     def _sample(self, f: Forward) -> ForwardResult:
         # np.count_nonzero: a third of `.any()`'s cost on short arrays (this is the hot path).

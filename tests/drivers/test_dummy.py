@@ -156,12 +156,20 @@ def test_a_script_is_said_in_order_per_context_then_end_of_text() -> None:
     d = DummyDriver(DummyConfig(script=tuple(b"hi")))
     d.handshake(Hello(page_size=16))
 
-    def step(context: int, position: int, mask: np.ndarray | None = None) -> int:
-        spec = RequestSpec(context, [65], [position], [context], position + 1, [OutputSpec(0, logit_mask=mask)])
+    def step(context: int, position: int, token: int = 65, mask: np.ndarray | None = None) -> int:
+        spec = RequestSpec(context, [token], [position], [context], position + 1, [OutputSpec(0, logit_mask=mask)])
         f = build_forward(1, [spec])
         return split_result(f, d.forward(f))[0][0].token
 
-    assert [step(1, 0), step(1, 1), step(1, 2)] == [ord("h"), ord("i"), 256]  # then ENDOFTEXT
-    assert step(1, 1) == ord("i")  # a position sampled again (a discarded step): the same token
+    h = step(1, 0)
+    i = step(1, 1, h)
+    assert [h, i, step(1, 2, i)] == [ord("h"), ord("i"), 256]  # then ENDOFTEXT
+    assert step(1, 1, h) == ord("i")  # a position sampled again (a retried step): the same token
+    # The context went on with another token than the one sampled at 0 (that sample was
+    # discarded, as a staged step the inferlet never used): the script resumes from there.
+    assert step(1, 1, 66) == ord("h")
     assert step(2, 5) == ord("h")  # another context starts the script
-    assert step(3, 0, pack_allowed(260, [7, 8])) in (7, 8)  # a mask refusing the script wins
+    assert step(3, 0, mask=pack_allowed(260, [7, 8])) in (7, 8)  # a mask refusing the script wins
+    assert step(1, 2, ord("h")) == ord("i")  # context 1 said "h" at 1: "i" next
+    d.handshake(Hello(page_size=16))  # a new host: its context 1 is another context
+    assert step(1, 2, ord("h")) == ord("h")

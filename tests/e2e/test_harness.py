@@ -216,6 +216,16 @@ def test_a_run_result_counts_device_passes_and_speculation_hits(inferlet_runner:
     assert 0 < result.speculation_hits <= 13 and result.forwards >= 14
 
 
+@pytest.mark.parametrize("depth", [0, 1, 4])
+def test_a_scripted_dummy_says_its_script_exactly_at_every_speculation_depth(depth: int) -> None:
+    """Steps pre-fired and then discarded (the agent broke out of its loop, then added a prompt)
+    do not consume the script: what each context says is the same with speculation off or on."""
+    with InferletRunner(say="Paris\nFrance\nEurope\nEarth\n", speculation_depth=depth) as runner:
+        result = runner.run(HERE / "inferlets" / "agent_turns", "2")
+    assert result.ok, result.error
+    assert json.loads(result.messages[-1]) == ["Paris", "France", "Europe", "Earth"]
+
+
 def test_the_runner_works_without_pytest() -> None:
     with InferletRunner(say="ok", seed=3) as runner:
         assert runner.run("text_completion", "--prompt", "?", "--max-tokens", "8").output == "ok"

@@ -1,6 +1,8 @@
 """attention_sink: StreamingLLM-style generation with bounded memory. Every token attends to the
 first --sinks tokens and the --window most recent ones; after each step the KV pages wholly
-between the two are released, so the context decodes far past what its pages could hold."""
+between the two are released, so the context decodes far past what its pages could hold. When
+its positions run out (the model's context length), it goes on in a new context that holds the
+sinks and the window."""
 
 from inferlet import ArgumentParser, Context, Greedy, Random, TextDecoder, Window, emit, model_info
 
@@ -21,20 +23,38 @@ def _parser() -> ArgumentParser:
 PARSER = _parser()
 
 
+def roll_over(ctx: Context, sinks: int, window: int) -> Context:
+    """The context's positions are used up (`model_info().max_context`): go on in a new one
+    that holds the sinks and the window, re-positioned from 0 (what StreamingLLM does to its
+    cache), and release the old one."""
+    tokens = ctx.tokens
+    fresh = Context()
+    fresh.attention = ctx.attention
+    fresh.fill(tokens[:sinks] + tokens[-window:])  # the last is the pending token
+    ctx.release()
+    return fresh
+
+
 def main(args: list[str]) -> None:
     opts = PARSER.parse_args(args)
     sampler = Greedy() if opts.temperature == 0 else Random(opts.temperature, seed=opts.seed)
     stop = set() if opts.ignore_eos else set(model_info().stop_tokens)
     decoder = TextDecoder()
-    released = 0
-    with Context() as ctx:
+    released = rolled = 0
+    ctx = Context()
+    try:
         ctx.attention = Window(opts.window, opts.sinks)
         ctx.fill(opts.prompt)
         for _ in range(opts.max_tokens):
+            if ctx.room == 0:
+                ctx = roll_over(ctx, opts.sinks, opts.window)
+                rolled += 1
             token = ctx.decode_step(sampler)
             if token in stop:
                 break
             emit(decoder.push(token))
             # The next step's keys: the sinks and the window ending at the pending token's slot.
             released += ctx.release_slots(opts.sinks, len(ctx) - opts.window)
-    emit(f"\n[released {released} pages]\n")
+    finally:
+        ctx.release()
+    emit(f"\n[released {released} pages, rolled over {rolled} times]\n")

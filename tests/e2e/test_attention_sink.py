@@ -37,6 +37,22 @@ def test_decodes_far_past_its_page_budget(sandbox: Sandbox, cache_dir: Path, sma
     assert small_engine.num_free_pages == NUM_PAGES
 
 
+def test_rolls_over_into_a_new_context_at_the_context_length(sandbox: Sandbox, cache_dir: Path) -> None:
+    """Positions count from a context's start, so even a bounded window ends at the model's
+    context length (64 here): the example goes on in a new context holding the sinks and the
+    window, instead of failing there."""
+    args = ["--page-size", str(PAGE), "--num-pages", str(NUM_PAGES), "--max-context", "64"]
+    with Engine.start(EngineConfig("dummy", args, speculation_depth=1)) as e:
+        component = sandbox.load(build("attention_sink", cache_dir).wasm_path)
+        opts = ["--prompt", "hello world", "--window", "8", "--sinks", "4", "--max-tokens", "150", "--ignore-eos"]
+        outcome = sandbox.run(component, e, opts)
+        assert outcome.is_ok, outcome.error
+        # 150 steps: 53 in the first context (11 prompt tokens, to 64), 52 in the second (from
+        # its 12: the sinks and the window), the rest in a third.
+        assert "rolled over 2 times]" in outcome.output, outcome.output[-200:]
+        assert e.num_free_pages == NUM_PAGES
+
+
 def test_without_releasing_the_same_run_runs_out_of_pages(
     sandbox: Sandbox, cache_dir: Path, small_engine: Engine
 ) -> None:

@@ -31,7 +31,7 @@ def host_function(fn: Callable[Concatenate[RunState, P], R]) -> Callable[..., R]
 
     @functools.wraps(fn)
     def call(store: wasmtime.StoreContext, *args: P.args, **kwargs: P.kwargs) -> R:
-        started_s = time.perf_counter()
+        started_s, cpu_s = time.perf_counter(), time.thread_time()
         run = current()
         run.check_can_continue()
         run.leave_guest()
@@ -45,6 +45,7 @@ def host_function(fn: Callable[Concatenate[RunState, P], R]) -> Callable[..., R]
             raise wasmtime.WasmtimeError(f"host error in {fn.__name__}: {type(exc).__name__}: {exc}") from None
         finally:
             run.call_context = outer
+            run.pace(time.thread_time() - cpu_s)
             run.enter_guest()
             run.rearm_watchdog()
             run.note_host_call(started_s)

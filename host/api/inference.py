@@ -252,13 +252,14 @@ def _raw_host_call(handler: Callable[[RunState, Any, Any], Any]) -> raw_calls.Ra
     one: out of the guest's compute turn, with the watchdog rearmed and the call timed."""
 
     def call(context: Any, args: Any) -> Any:
-        started_s = time.perf_counter()
+        started_s, cpu_s = time.perf_counter(), time.thread_time()
         run = current()
         run.check_can_continue()
         run.leave_guest()
         try:
             return handler(run, context, args)
         finally:
+            run.pace(time.thread_time() - cpu_s)
             run.enter_guest()
             run.rearm_watchdog()
             run.note_host_call(started_s)

@@ -51,6 +51,9 @@ class DaemonConfig:
     key_reserve_run_slots: int = 8  # the last slots, which only a key with no run running may take
     # Runs of one key computing in guest code at once (0: this machine's cores less one, at least 1).
     key_guest_threads: int = 0
+    # A key's host calls that cost CPU (>= 2 ms: a group of many passes) are followed by a wait
+    # of this times their CPU for each other key with a run live (0: off). See docs/operating.md.
+    key_host_pacing: float = 1.0
     run_memory_mib: int = 256
     run_timeout_s: float = 600.0
     run_watchdog_s: float = 30.0
@@ -128,6 +131,7 @@ class DaemonConfig:
             max_loaded_component_bytes=self.max_loaded_component_mib * MIB,
             compile_memory_bytes=self.component_compile_mib * MIB,
             group_compute_slots=self.key_guest_threads or max(1, (os.cpu_count() or 2) - 1),
+            host_pacing=self.key_host_pacing,
         )
 
     @property
@@ -299,6 +303,7 @@ def _check(c: DaemonConfig) -> None:
         "key_max_concurrent_runs": 1,
         "key_reserve_run_slots": 0,
         "key_guest_threads": 0,
+        "key_host_pacing": 0,
         "run_max_contexts": 1,
         "run_memory_mib": 20,  # the interpreter needs about 12 MiB, the tables take 4 (SandboxConfig)
         "run_max_output_mib": 1,

@@ -28,6 +28,23 @@ class ComputeShare:
         self._lock = threading.Lock()
         self._busy: Counter[str] = Counter()  # group -> runs holding a slot
         self._queues: dict[str, deque[threading.Event]] = {}  # group -> its waiting runs, first first
+        self._live: Counter[str] = Counter()  # group -> its runs started and not ended
+
+    def join(self, group: str) -> None:
+        """A run of `group` starts (it counts as live until `quit`)."""
+        with self._lock:
+            self._live[group] += 1
+
+    def quit(self, group: str) -> None:
+        with self._lock:
+            self._live[group] -= 1
+            if not self._live[group]:
+                del self._live[group]
+
+    def num_other_groups(self, group: str) -> int:
+        """Groups other than `group` with a run live (host work is paced by it)."""
+        with self._lock:
+            return len(self._live) - (1 if group in self._live else 0)
 
     def enter(self, group: str, may_continue: Callable[[], None]) -> None:
         """Take one of `group`'s slots, waiting in line for it. `may_continue` is called while

@@ -45,6 +45,9 @@ class SandboxConfig:
     # The sandbox's: runs of one group (an API key) computing in guest code at once (0: no limit;
     # runs started without a group are never limited). See `compute_share`.
     group_compute_slots: int = 0
+    # With compute shared by group: after a host call that took c seconds of its thread's CPU
+    # (c >= 2 ms), a run waits host_pacing * c for each other group with a live run (0: never).
+    host_pacing: float = 1.0
     # The sandbox's, not a run's: compiled components kept loaded in memory (least recently used
     # dropped past it; `compile_cache.CompileCache`).
     max_loaded_component_bytes: int = 1024 * MIB
@@ -60,6 +63,8 @@ class SandboxConfig:
             raise ValueError("timeouts and the epoch tick must be positive")
         if self.max_output_bytes <= 0 or self.max_inbound_bytes <= 0:
             raise ValueError("max_output_bytes and max_inbound_bytes must be positive")
+        if self.host_pacing < 0:
+            raise ValueError(f"host_pacing must be >= 0, got {self.host_pacing}")
         if self.group_compute_slots < 0:
             raise ValueError(f"group_compute_slots must be >= 0, got {self.group_compute_slots}")
         if min(self.max_memories, self.max_tables, self.max_table_elements, self.max_instances) < 1:

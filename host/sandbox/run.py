@@ -55,6 +55,9 @@ class Run:
     def _main(self) -> None:
         bind_current(self.state)
         status, error = RunStatus.OK, None
+        share, group = self.state.compute, self.state.group
+        if share is not None and group:
+            share.join(group)
         try:
             status, error = self._execute()
         except Exception as exc:  # the run thread must always report an outcome
@@ -62,6 +65,8 @@ class Run:
             status, error = RunStatus.TRAPPED, f"sandbox failure: {type(exc).__name__}: {exc}"
         finally:
             self.state.leave_guest()
+            if share is not None and group:
+                share.quit(group)
             num_leaked = self._free_resources()
             self.state.store = None  # the last reference: WASI closes the guest's output pipes
             self._collect_store()

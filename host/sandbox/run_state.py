@@ -24,6 +24,9 @@ _current = threading.local()
 # How often a guest computing between host calls is checked (`host.sandbox.watchdog`): a cancel
 # or the wall clock stops it within this.
 WATCHDOG_CHECK_S = 0.2
+# Host calls cheaper than this are not paced; no call waits longer than the second.
+_PACE_FROM_S = 0.002
+_PACE_MAX_S = 0.5
 
 
 @dataclass(slots=True)
@@ -171,6 +174,18 @@ class RunState:
             assert self.compute is not None
             self.is_in_guest = False
             self.compute.leave(self.group)
+
+    def pace(self, cpu_s: float) -> None:
+        """After a host call that took `cpu_s` of this thread's CPU (building and queueing a
+        group of passes, say): while runs of other groups are live, wait `cpu_s` (times the
+        config's `host_pacing`) for each such group before going on, so one key's host work
+        takes about its share of the interpreter every thread needs, not all of it. A run
+        alone, or a cheap call, is not paced."""
+        if cpu_s < _PACE_FROM_S or self.compute is None or not self.group or not self.config.host_pacing:
+            return
+        others = self.compute.num_other_groups(self.group)
+        if others:
+            time.sleep(min(self.config.host_pacing * others * cpu_s, _PACE_MAX_S))
 
     def yield_guest(self) -> None:
         """At a check while computing: another run of the group waits, so this one goes to the

@@ -121,3 +121,30 @@ def test_runs_of_one_key_take_turns_and_another_key_never_waits(cache_dir: Path,
             done = handle.wait(timeout_s=60)
             assert done.status is RunStatus.TIMED_OUT and "watchdog" in (done.error or ""), done.error
         assert share.num_busy("a") == 0 and share.num_waiting("a") == 0
+
+
+def test_host_work_is_paced_while_runs_of_other_groups_are_live(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host call's CPU time is waited again for each other group with a live run (a key's
+    group of a thousand passes costs it, not the others); alone, or for a cheap call, no wait."""
+    from host.sandbox.run_state import RunState
+
+    slept: list[float] = []
+    monkeypatch.setattr("host.sandbox.run_state.time.sleep", slept.append)
+    share = ComputeShare(1)
+    config = SandboxConfig(cache_dir=Path("unused"))
+    run = RunState(1, [], TableServices(), None, config, 0.0, group="a", compute=share)  # type: ignore[arg-type]
+    share.join("a")
+    run.pace(0.05)
+    assert slept == []  # its group alone
+    share.join("b")
+    share.join("b")
+    run.pace(0.05)
+    share.join("c")
+    run.pace(0.05)
+    run.pace(0.001)  # too cheap to pace
+    run.pace(10.0)  # at most the cap
+    assert slept == [0.05, 0.1, 0.5]
+    for group in ("b", "b", "c"):
+        share.quit(group)
+    run.pace(0.05)
+    assert slept == [0.05, 0.1, 0.5] and share.num_other_groups("a") == 0

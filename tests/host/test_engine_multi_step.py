@@ -130,10 +130,13 @@ def test_the_engine_asks_for_several_steps_only_once_passes_are_timed_short() ->
         assert fast.max_decode_steps() == 1  # nothing measured yet
         run = next(_runs)
         _single_steps(fast, run, Sampler(), 4)
-        assert fast.max_decode_steps() > 1  # the dummy answers in well under a millisecond
+        fast_steps = fast.max_decode_steps()
+        assert fast_steps > 2  # the dummy answers in well under a millisecond
     with Engine.start(EngineConfig("dummy", ["--num-pages", "64", "--pass-latency-ms", "10"])) as slow:
         _single_steps(slow, next(_runs), Sampler(), 3)
-        assert slow.max_decode_steps() == 2  # 10 ms steps: two fit in the default budget of 25 ms
+        # 10 ms steps: at most two fit in the default budget of 25 ms (one, when the host's own
+        # time per pass passes 2.5 ms on a loaded machine: a bound, not a timing threshold).
+        assert 1 <= slow.max_decode_steps() <= 2 < fast_steps
     slow_args = ["--num-pages", "64", "--pass-latency-ms", "10"]
     with Engine.start(EngineConfig("dummy", slow_args, multi_step_budget_ms=10)) as tight:
         _single_steps(tight, next(_runs), Sampler(), 3)

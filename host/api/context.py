@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import wasmtime
 from wasmtime.component import LinkerInstance, ResourceAny, ResourceHost, ResourceType
 
-from host.api.host_call import borrowed_rep, error_text, host_function
+from host.api.host_call import borrowed_rep, error_text, handle_id, host_function
 from host.errors import HostError
 from host.sandbox import raw_calls
 from host.sandbox.resources import ResourceKind
-from host.sandbox.run_state import RunState, current, current_or_none
+from host.sandbox.run_state import RunState, current_or_none
 
 INTERFACE = "context"
 KIND = ResourceKind.CONTEXT
@@ -98,16 +97,6 @@ def _drop(_store: wasmtime.StoreContext, rep: int) -> None:
         _log.warning("[run %d] releasing context %d failed: %s", run.run_id, rep, exc)
 
 
-def _id_raw(context: Any, args: Any) -> Any:
-    run = current()
-    rep = raw_calls.borrow_rep(context, args[0])
-    try:
-        run.resources.get(KIND, rep)
-    except KeyError:
-        raise wasmtime.WasmtimeError(f"no live context with handle {rep}") from None
-    return raw_calls.u32(rep)
-
-
 def register(instance: LinkerInstance) -> None:
     instance.add_resource("context", ResourceType.host(int(KIND)), _drop)
     instance.add_func("[static]context.create", create)
@@ -117,4 +106,4 @@ def register(instance: LinkerInstance) -> None:
     instance.add_func("[method]context.release-pages", release_pages)
     instance.add_func("[method]context.num-pages", num_pages)
     instance.add_func("pages-in-use", pages_in_use)
-    raw_calls.add_raw_func(instance, "[method]context.id", _id_raw)
+    raw_calls.add_raw_func(instance, "[method]context.id", handle_id(KIND))

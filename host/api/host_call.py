@@ -18,6 +18,8 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import wasmtime
 from wasmtime.component import Record, ResourceAny
 
+from host.sandbox import raw_calls
+from host.sandbox.resources import ResourceKind
 from host.sandbox.run_state import RunState, current
 
 P = ParamSpec("P")
@@ -77,3 +79,19 @@ def error_text(exc: BaseException) -> str:
     """The message an inferlet sees for an expected failure."""
     text = str(exc)
     return text if text else type(exc).__name__
+
+
+def handle_id(kind: ResourceKind) -> raw_calls.RawHandler:
+    """A raw `[method]T.id` for resource kind `kind`: the borrowed handle's rep, the number the
+    group calls (`execute-all`, `decode-all`) take; a trap for a handle that is not live."""
+    noun = kind.name.lower().replace("_", " ")
+
+    def call(context: Any, args: Any) -> Any:
+        rep = raw_calls.borrow_rep(context, args[0])
+        try:
+            current().resources.get(kind, rep)
+        except KeyError:
+            raise wasmtime.WasmtimeError(f"no live {noun} with handle {rep}") from None
+        return raw_calls.u32(rep)
+
+    return call

@@ -36,7 +36,7 @@ from host.api.forward_pass import (
     run_pass,
     run_pass_records,
 )
-from host.api.host_call import borrowed_rep, host_function
+from host.api.host_call import borrowed_rep, handle_id, host_function
 from host.api.host_call import field as rec_field
 from host.sandbox import raw_calls
 from host.sandbox.resources import ResourceKind
@@ -213,16 +213,6 @@ def execute_all(run: RunState, ids: list[int]) -> list[list[Record] | str]:
         run.check_can_continue()  # a run cancelled while its passes were in flight stops here
 
 
-def _pass_id_raw(context: Any, args: Any) -> Any:
-    run = current()
-    rep = raw_calls.borrow_rep(context, args[0])
-    try:
-        run.resources.get(KIND, rep)
-    except KeyError:
-        raise wasmtime.WasmtimeError(f"no live forward pass with handle {rep}") from None
-    return raw_calls.u32(rep)
-
-
 def decode(run: RunState, ctx_rep: int, tokens: list[int], sampler: Sampler) -> int | str:
     """`decode` for the stock path and the raw path alike."""
     builder = PassBuilder(ctx_rep, tokens=tokens)
@@ -346,7 +336,7 @@ def register(instance: LinkerInstance) -> None:
     instance.add_func("[method]forward-pass.submit", submit)
     instance.add_func("[method]forward-pass.execute", execute)
     instance.add_func("[method]forward-pass.generate", generation.generate)
-    raw_calls.add_raw_func(instance, "[method]forward-pass.id", _pass_id_raw)
+    raw_calls.add_raw_func(instance, "[method]forward-pass.id", handle_id(KIND))
     instance.add_func("execute-all", execute_all)
     raw_calls.add_raw_func(instance, "decode-all", _decode_all_raw)
     if USE_RAW_DECODE:

@@ -19,6 +19,7 @@ import pytest
 from bridge_schema.batch import OutputSpec, Sampler
 from bridge_schema.messages import Probe
 from host.engine import Engine, EngineConfig
+from host.engine.facade import GROUP_SLICE
 from host.errors import (
     ContextNotFound,
     ContextNotOwned,
@@ -498,3 +499,34 @@ def test_the_runs_of_one_group_share_a_quota() -> None:
         fill(e, stranger, e.create_context(stranger), [68] * 16)  # the other group's 4
         for run in (first, second, stranger):
             e.end_run(run)
+
+
+def test_a_big_group_lets_other_threads_take_the_lock_between_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A run's group of 1,024 passes is queued a slice at a time: a thread that wants the
+    # engine's lock meanwhile (the loop routing a reply, another run's pass) gets it before the
+    # group is done. Under one hold, 1,000 submissions kept every other key's passes waiting.
+    with Engine.start(EngineConfig("loopback", ["--num-pages", "1100"])) as e:
+        run = next(_runs)
+        contexts = [e.create_context(run) for _ in range(32 * GROUP_SLICE)]
+        submitted, started, seen_at = [0], threading.Event(), []
+        submit = e._core.submit
+
+        def counting_submit(*args: object) -> object:
+            submitted[0] += 1
+            started.set()
+            return submit(*args)  # type: ignore[arg-type]
+
+        def other() -> None:
+            started.wait(30)
+            with e._lock:
+                seen_at.append(submitted[0])
+
+        monkeypatch.setattr(e._core, "submit", counting_submit)
+        thread = threading.Thread(target=other)
+        thread.start()
+        group = [(c, PassRequest(tokens=[65], outputs=[OutputSpec(0, Sampler())])) for c in contexts]
+        results = e.forward_group(run, group)
+        thread.join()
+        assert all(r.outputs[0].token >= 0 for r in results)  # type: ignore[union-attr]
+        assert seen_at[0] < len(contexts), "another thread waited for the whole group"
+        e.end_run(run)

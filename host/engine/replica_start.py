@@ -30,4 +30,3 @@ def start_engines(configs: Sequence[EngineConfig]) -> list[Engine]:
             engine.close()
         raise
     return engines
-

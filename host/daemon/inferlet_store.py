@@ -261,7 +261,9 @@ class InferletStore:
         """Lock held: delete a component file no record names and no upload is checking."""
         if component in self._pinned or any(r.component == component for r in self._records.values()):
             return
-        self._component_path(component).unlink(missing_ok=True)
+        path = self._component_path(component)
+        self._sandbox.forget(component, path)  # its compiled copy (its digest is the compile key's)
+        path.unlink(missing_ok=True)
 
     def delete(self, inferlet_id: str, owner: str) -> None:
         """Take `owner`'s upload back; the files go with the last owner. Another key's upload is

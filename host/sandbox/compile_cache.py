@@ -137,6 +137,24 @@ class CompileCache:
                     self._loaded_bytes -= dropped
             return LoadedInferlet(component, app)
 
+    def forget(self, content_digest: str, wasm_path: Path) -> None:
+        """Drop the compiled copy of the component in `wasm_path` (its digest without sources:
+        `content_digest`), a component no longer wanted (a deleted upload), so uploads and
+        deletes cannot fill the disk: from memory (runs holding it keep it) and from disk, unless
+        another file loaded lately has the same component (inferlets on wafer's base share one)."""
+        key = cache_key(content_digest)
+        gone = str(wasm_path.resolve())
+        with self._lock:
+            others = [i for i, (k, _) in self._files.items() if k == key and i[0] != gone]
+            if any(Path(i[0]).exists() for i in others):
+                return
+            entry = self._loaded.pop(key, None)
+            if entry is not None:
+                self._loaded_bytes -= entry[1]
+            for identity in [i for i, (k, _) in self._files.items() if k == key]:
+                del self._files[identity]
+            (self._dir / f"{key}.cwasm").unlink(missing_ok=True)
+
     def _hit(self, key: str) -> Component | None:
         entry = self._loaded.get(key)
         if entry is None:

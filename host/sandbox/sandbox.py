@@ -104,6 +104,10 @@ class Sandbox:
         compile (it takes seconds: once per component and machine) when it starts and ends."""
         return self._cache.load(wasm_path, progress)
 
+    def forget(self, content_digest: str, wasm_path: Path) -> None:
+        """Drop the compiled copy of a component no longer wanted (`CompileCache.forget`)."""
+        self._cache.forget(content_digest, wasm_path)
+
     def start(
         self,
         inferlet: LoadedInferlet,

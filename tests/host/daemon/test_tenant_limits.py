@@ -18,6 +18,7 @@ import pytest
 
 from host.app_bundle import SECTION_NAME, AppSources, _leb128, append_sources, split_sources
 from host.daemon.run_log import MAX_ERROR_BYTES
+from host.sandbox.compile_cache import cache_key
 from tests.host.daemon.conftest import Server, _free_port, serving
 from tests.host.daemon.sse import events
 
@@ -279,9 +280,12 @@ def test_a_key_deletes_its_own_uploads_only(limited: Server) -> None:
         assert a.post("/v1/runs", json={"inferlet": both}).status_code == 404
         assert b.get(f"/v1/inferlets/{both}").status_code == 200
         assert (data_dir / f"{both.removeprefix('sha256:')}.json").exists()
-        # The last key's delete removes the files.
+        # The last key's delete removes the files, the compiled copy among them.
+        compiled = limited.config.sandbox_config().compiled_dir / f"{cache_key(both.removeprefix('sha256:'))}.cwasm"
+        assert compiled.exists()
         assert b.delete(f"/v1/inferlets/{both}").status_code == 200
         assert not list(data_dir.rglob(f"*{both.removeprefix('sha256:')}*"))
+        assert not compiled.exists()
         # A shared upload: every key sees it, only a key that uploaded it may delete it.
         assert _upload(c, tiny("hidden"), shared="true").status_code == 200
         forbidden = a.delete(f"/v1/inferlets/{hidden}")

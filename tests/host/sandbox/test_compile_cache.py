@@ -4,6 +4,7 @@ components kept in memory are bounded (least recently used dropped)."""
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import threading
 from pathlib import Path
@@ -123,6 +124,25 @@ def test_loaded_components_are_bounded(wasm: Path, variant: Path, tmp_path: Path
     assert cache.num_loaded == 2
     assert cache.load(wasm).component is first.component
     assert cache.load(variant) is not None  # loads again from the compiled file
+
+
+def test_a_forgotten_component_leaves_memory_and_disk_unless_another_file_has_it(
+    wasm: Path, tmp_path: Path, cache_dir: Path
+) -> None:
+    cache = CompileCache(new_engine(), tmp_path / "compiled")
+    gone = _variant(wasm, tmp_path, "forget-me")
+    cache.load(gone)
+    compiled = cache.compiled_path(gone)
+    assert compiled.exists() and cache.num_loaded == 1
+    cache.forget(hashlib.sha256(gone.read_bytes()).hexdigest(), gone)
+    assert not compiled.exists() and cache.num_loaded == 0
+    # Inferlets on the base share a compiled component: forgetting one file's keeps it for the other.
+    hello, text = (build(name, cache_dir).wasm_path for name in ("hello", "text_completion"))
+    kept = cache.load(hello).component
+    cache.load(text)
+    base, _ = split_sources(text.read_bytes())
+    cache.forget(hashlib.sha256(base).hexdigest(), text)
+    assert cache.compiled_path(hello).exists() and cache.load(hello).component is kept
 
 
 def _rss_mib() -> float:

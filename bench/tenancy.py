@@ -162,7 +162,10 @@ def attack(url: str, name: str, stop: threading.Event, tmp: Path) -> Callable[[]
 
         def flood() -> None:
             while not stop.is_set():
-                client.completions.create(model="dummy", prompt=["a b c"] * 128, n=2, max_tokens=16)
+                try:
+                    client.completions.create(model="dummy", prompt=["a b c"] * 128, n=2, max_tokens=16)
+                except openai.RateLimitError:  # out of run slots for this key: try again, as a client would
+                    time.sleep(0.05)
 
         threads += [threading.Thread(target=flood, daemon=True) for _ in range(4)]
     else:

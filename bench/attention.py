@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode import cpu_description
 
-from drivers.torch import cpu_kernels
-from drivers.torch.paged_attention import LayerKeys, _decode_attention
+from drivers.torch.kernels import cpu_kernels
+from drivers.torch.kernels.paged_attention import LayerKeys, _decode_attention
 
 HEADS, KV_HEADS, DIM, LAYERS, PAGE = 9, 3, 64, 30, 16
 SLOTS = 8192

@@ -46,9 +46,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bridge_schema.batch import OutputSpec, RequestSpec, build_forward
 from bridge_schema.messages import Hello
-from drivers.torch import cpu_kernels, weight_arena
-from drivers.torch.checkpoint import Checkpoint, load_checkpoint
 from drivers.torch.driver import DTYPES, DriverOptions, TorchDriver
+from drivers.torch.kernels import cpu_kernels
+from drivers.torch.weights import weight_arena
+from drivers.torch.weights.checkpoint import Checkpoint, load_checkpoint
 
 
 def _sync(device: str) -> None:
@@ -324,7 +325,7 @@ def bench_llamacpp(prompt: list[int], new_tokens: int, threads: int) -> tuple[fl
     """llama.cpp on the same GGUF and prompt, greedy: prefill and decode tokens/s at batch 1."""
     from llama_cpp import Llama
 
-    from drivers.torch.gguf_loader import smollm2_path
+    from drivers.torch.weights.gguf_loader import smollm2_path
 
     # The context holds the prompt and the new tokens (llama_decode fails past n_ctx), at least 1,024.
     n_ctx = max(1024, (len(prompt) + new_tokens + 255) // 256 * 256)

@@ -43,11 +43,11 @@ from decode import (
 )
 
 from bridge_schema.batch import build_forward
-from drivers.torch import cpu_kernels
-from drivers.torch.checkpoint import load_checkpoint
 from drivers.torch.driver import TorchDriver
-from drivers.torch.paged_attention import PagedAttention
-from drivers.torch.quantize import DynamicInt8Linear
+from drivers.torch.kernels import cpu_kernels
+from drivers.torch.kernels.paged_attention import PagedAttention
+from drivers.torch.weights.checkpoint import load_checkpoint
+from drivers.torch.weights.quantize import DynamicInt8Linear
 
 PROMPT = 64
 

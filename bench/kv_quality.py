@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import _request, capped, cpu_description, make_driver
 
 from bridge_schema.batch import build_forward
-from drivers.torch.checkpoint import load_checkpoint
 from drivers.torch.driver import TorchDriver
+from drivers.torch.weights.checkpoint import load_checkpoint
 
 REFERENCE = "float32"
 ROOT = Path(__file__).resolve().parents[1]

@@ -38,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from drivers.torch import cpu_kernels
+from drivers.torch.kernels import cpu_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 

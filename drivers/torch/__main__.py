@@ -1,6 +1,6 @@
 """`python -m drivers.torch --model smollm2|PATH --device cpu|cuda --dtype ... --listen ADDR
 [--tensor-parallel N]`. With N > 1 this process is rank 0 and starts ranks 1..N-1 as
-`python -m drivers.torch ... --tp-rank R` (`tp_driver.py`)."""
+`python -m drivers.torch ... --tp-rank R` (`parallel/tp_driver.py`)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,18 @@ import torch
 
 from drivers.errors import ConfigRejected
 from drivers.serve import add_serve_arguments, configure_logging, serve_forever
-from drivers.torch import cpu_kernels
-from drivers.torch.checkpoint import Checkpoint, load_checkpoint
 from drivers.torch.driver import DTYPES, DriverOptions, TorchDriver
-from drivers.torch.quantize import WEIGHT_KINDS
-from drivers.torch.rank_group import join_group, rank_device, start_group
-from drivers.torch.tp_driver import TensorParallelDriver, build_rank_driver, check_options, follow, scatter_shards
+from drivers.torch.kernels import cpu_kernels
+from drivers.torch.parallel.rank_group import join_group, rank_device, start_group
+from drivers.torch.parallel.tp_driver import (
+    TensorParallelDriver,
+    build_rank_driver,
+    check_options,
+    follow,
+    scatter_shards,
+)
+from drivers.torch.weights.checkpoint import Checkpoint, load_checkpoint
+from drivers.torch.weights.quantize import WEIGHT_KINDS
 
 
 def main(argv: list[str] | None = None) -> None:

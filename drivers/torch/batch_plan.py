@@ -13,7 +13,7 @@ import torch
 
 from bridge_schema.messages import Forward
 from drivers.errors import RequestRejected
-from drivers.torch import cpu_kernels
+from drivers.torch.kernels import cpu_kernels
 from drivers.torch.masks import check_mask_rows, decode_brle_rows
 from drivers.torch.sampling import SamplingPlan, plan_sampling
 

@@ -17,22 +17,22 @@ from bridge_schema.config_rules import check_prefix_match_unit
 from bridge_schema.errors import ConfigError
 from bridge_schema.messages import DEFERRED_TOKENS, Adapter, Copy, Forward, ForwardResult, Handshake, Hello
 from drivers.errors import ConfigRejected, RequestRejected
-from drivers.torch import cpu_kernels
 from drivers.torch.batch_plan import CacheLimits, PassPlan, build_plan
-from drivers.torch.checkpoint import Checkpoint
-from drivers.torch.compiled import CompiledModel
-from drivers.torch.cpu_layout import transpose_linears
-from drivers.torch.cuda_graphs import DecodeGraphs
-from drivers.torch.fused_decode import FusedDecode, unsupported
-from drivers.torch.fusion import fuse_projections
+from drivers.torch.kernels import cpu_kernels
+from drivers.torch.kernels.paged_attention import PagedAttention
 from drivers.torch.kv_cache import PagedKVCache
-from drivers.torch.lora import LoraBatch, LoraWeights, load_peft
 from drivers.torch.model import Transformer, rope_inv_freq
-from drivers.torch.paged_attention import PagedAttention
 from drivers.torch.progress import Progress
-from drivers.torch.quantize import quantize_int8
+from drivers.torch.runners.compiled import CompiledModel
+from drivers.torch.runners.cuda_graphs import DecodeGraphs
+from drivers.torch.runners.fused_decode import FusedDecode, unsupported
 from drivers.torch.sampling import sample
-from drivers.torch.smoothing import calibration_tokens, smooth
+from drivers.torch.weights.checkpoint import Checkpoint
+from drivers.torch.weights.cpu_layout import transpose_linears
+from drivers.torch.weights.fusion import fuse_projections
+from drivers.torch.weights.lora import LoraBatch, LoraWeights, load_peft
+from drivers.torch.weights.quantize import quantize_int8
+from drivers.torch.weights.smoothing import calibration_tokens, smooth
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -9,7 +9,7 @@ import math
 import torch
 
 from drivers.errors import RequestRejected
-from drivers.torch import weight_arena
+from drivers.torch.weights import weight_arena
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -15,7 +15,7 @@ from bridge_schema.batch import logit_mask_words
 from bridge_schema.messages import Forward, Probe, SamplerKind
 from bridge_schema.sampling import seeded_uniform
 from drivers.errors import RequestRejected
-from drivers.torch import cpu_kernels
+from drivers.torch.kernels import cpu_kernels
 
 PREFILTER = 256  # random sampling considers the 256 most likely tokens; the rest carry ~0 mass
 # As a plain int: numpy compares an array with an IntEnum member through Python-level calls

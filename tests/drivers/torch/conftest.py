@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from drivers.torch import cpu_kernels
-from drivers.torch.checkpoint import Checkpoint, load_checkpoint
+from drivers.torch.kernels import cpu_kernels
+from drivers.torch.weights.checkpoint import Checkpoint, load_checkpoint
 from tests.drivers.torch.helpers import FEATURES
 
 torch.set_num_threads(1)

@@ -16,10 +16,10 @@ from torch.utils import cpp_extension
 
 from bridge_schema.batch import OutputSpec, RequestSpec, Sampler, build_forward
 from bridge_schema.messages import Forward, Hello
-from drivers.torch import cpu_kernels
-from drivers.torch.checkpoint import Checkpoint, load_checkpoint
 from drivers.torch.config import ModelConfig
 from drivers.torch.driver import DriverOptions, TorchDriver
+from drivers.torch.kernels import cpu_kernels
+from drivers.torch.weights.checkpoint import Checkpoint, load_checkpoint
 
 GREEDY = Sampler()
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from bridge_schema.batch import OutputSpec, RequestSpec, Sampler, pack_allowed
 from bridge_schema.messages import Probe
-from drivers.torch.checkpoint import Checkpoint
 from drivers.torch.driver import TorchDriver
+from drivers.torch.weights.checkpoint import Checkpoint
 from tests.drivers.torch.helpers import brle, forward, make_driver, random_tokens, request
 
 PS = 16

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from bridge_schema.messages import Hello
-from drivers.torch.checkpoint import Checkpoint
 from drivers.torch.driver import CPU_FILL_CHUNK, DriverOptions, TorchDriver
+from drivers.torch.weights.checkpoint import Checkpoint
 from tests.drivers.torch.helpers import (
     brle,
     chunked_logits,

@@ -15,10 +15,10 @@ import torch
 
 from bridge_schema.messages import Adapter, Hello
 from drivers.errors import ConfigRejected
-from drivers.torch.checkpoint import Checkpoint
-from drivers.torch.compiled import CompiledModel
-from drivers.torch.cpu_layout import TransposedLinear
 from drivers.torch.driver import DriverOptions, TorchDriver
+from drivers.torch.runners.compiled import CompiledModel
+from drivers.torch.weights.checkpoint import Checkpoint
+from drivers.torch.weights.cpu_layout import TransposedLinear
 from tests.drivers.torch.helpers import (
     brle,
     chunked_logits,

@@ -35,11 +35,13 @@ from torch.utils import cpp_extension
 
 from bridge_schema.messages import Hello
 from drivers.errors import ConfigRejected
-from drivers.torch import cpu_kernels, quantize, sampling
-from drivers.torch.attention_ref import masked_attention
-from drivers.torch.direct_graphs import DirectGraphs
+from drivers.torch import sampling
 from drivers.torch.driver import DriverOptions, TorchDriver
-from drivers.torch.quantize import DynamicInt8Linear, choose_matmuls, pack_vnni, w8a8_reference
+from drivers.torch.kernels import cpu_kernels
+from drivers.torch.kernels.attention_ref import masked_attention
+from drivers.torch.runners.direct_graphs import DirectGraphs
+from drivers.torch.weights import quantize
+from drivers.torch.weights.quantize import DynamicInt8Linear, choose_matmuls, pack_vnni, w8a8_reference
 from tests.drivers.torch.helpers import (
     forward,
     load_dir,
@@ -392,7 +394,7 @@ def test_a_build_killed_halfway_does_not_block_the_next_start(kernel: None) -> N
     the kernels left one behind, and every later start hung. The next start goes on now."""
     directory = cpu_kernels.build_directory(f"wafer_cpu_{cpu_kernels.source_digest()}")
     (directory / "lock").touch()  # what a killed build leaves
-    probe = "from drivers.torch import cpu_kernels; print(cpu_kernels.load(show_progress=False))"
+    probe = "from drivers.torch.kernels import cpu_kernels; print(cpu_kernels.load(show_progress=False))"
     try:
         done = subprocess.run(
             [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[3]

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from bridge_schema.messages import Hello
-from drivers.torch import cuda_graphs
-from drivers.torch.checkpoint import Checkpoint
-from drivers.torch.cuda_graphs import DecodeGraphs, buckets
 from drivers.torch.driver import DriverOptions, TorchDriver
+from drivers.torch.runners import cuda_graphs
+from drivers.torch.runners.cuda_graphs import DecodeGraphs, buckets
+from drivers.torch.weights.checkpoint import Checkpoint
 from tests.drivers.torch.helpers import forward, load_dir, random_tokens, request, write_tiny_gemma
 
 pytest.importorskip("triton")

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 
-from drivers.torch.direct_graphs import DirectGraphs, FrozenArgumentChanged
+from drivers.torch.runners.direct_graphs import DirectGraphs, FrozenArgumentChanged
 
 
 def _write_and_sum(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:

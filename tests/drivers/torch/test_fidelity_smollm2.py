@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bridge_schema.messages import Hello
-from drivers.torch.checkpoint import Checkpoint
+from drivers.torch.weights.checkpoint import Checkpoint
 from tests.drivers.torch.helpers import forward, llama_twin, make_driver, request
 
 PROMPTS = [
@@ -74,7 +74,7 @@ def test_greedy_32_tokens_equal_transformers(smollm2: Checkpoint, twin: torch.nn
 def test_tokenizer_matches_transformers_gguf_tokenizer(smollm2: Checkpoint) -> None:
     from transformers import AutoTokenizer
 
-    from drivers.torch.gguf_loader import SMOLLM2_FILE, smollm2_path
+    from drivers.torch.weights.gguf_loader import SMOLLM2_FILE, smollm2_path
 
     theirs = AutoTokenizer.from_pretrained(str(smollm2_path().parent), gguf_file=SMOLLM2_FILE)
     assert smollm2.tokenizer is not None

@@ -16,11 +16,11 @@ import torch
 
 from bridge_schema.batch import Sampler
 from bridge_schema.messages import Adapter, Hello
-from drivers.torch import cpu_kernels
-from drivers.torch.checkpoint import Checkpoint
 from drivers.torch.driver import DriverOptions, TorchDriver
-from drivers.torch.fused_decode import W8A8_MAX_ROWS, unsupported, w8a8_max_rows
-from drivers.torch.quantize import DynamicInt8Linear
+from drivers.torch.kernels import cpu_kernels
+from drivers.torch.runners.fused_decode import W8A8_MAX_ROWS, unsupported, w8a8_max_rows
+from drivers.torch.weights.checkpoint import Checkpoint
+from drivers.torch.weights.quantize import DynamicInt8Linear
 from tests.drivers.torch.helpers import (
     forward,
     load_dir,

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from bridge_schema.messages import Adapter, Copy
-from drivers.torch.checkpoint import Checkpoint
+from drivers.torch.weights.checkpoint import Checkpoint
 from tests.drivers.torch.helpers import (
     forward,
     load_dir,

@@ -16,8 +16,9 @@ import torch
 from bridge_schema.batch import OutputSpec, RequestSpec
 from bridge_schema.messages import Forward
 from drivers.errors import RequestRejected
-from drivers.torch import batch_plan, cpu_kernels
+from drivers.torch import batch_plan
 from drivers.torch.batch_plan import CacheLimits, PassPlan, build_plan, family_keys
+from drivers.torch.kernels import cpu_kernels
 from tests.drivers.torch.helpers import brle, forward, request
 
 LIMITS = CacheLimits(page_size=4, num_pages=64, vocab_size=100, max_context=256, max_probe_k=8)

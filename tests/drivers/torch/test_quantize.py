@@ -12,9 +12,9 @@ import torch
 
 from bridge_schema.messages import Hello
 from drivers.errors import ConfigRejected
-from drivers.torch.checkpoint import Checkpoint
 from drivers.torch.driver import DriverOptions, TorchDriver
-from drivers.torch.quantize import DynamicInt8Linear, Int8Linear
+from drivers.torch.weights.checkpoint import Checkpoint
+from drivers.torch.weights.quantize import DynamicInt8Linear, Int8Linear
 from tests.drivers.torch.helpers import forward, load_dir, make_driver, random_tokens, request, write_tiny_llama
 
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"

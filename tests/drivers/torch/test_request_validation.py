@@ -12,9 +12,9 @@ import torch
 
 from bridge_schema.messages import Forward
 from drivers.errors import RequestRejected
-from drivers.torch.attention_ref import masked_attention
 from drivers.torch.driver import TorchDriver
 from drivers.torch.errors import MaskShapeError
+from drivers.torch.kernels.attention_ref import masked_attention
 from tests.drivers.torch.helpers import brle, forward, load_dir, make_driver, random_tokens, request, write_tiny_gemma
 
 PAGES = list(range(8))

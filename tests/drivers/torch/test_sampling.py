@@ -10,8 +10,8 @@ import torch
 
 from bridge_schema.batch import OutputSpec, Sampler, pack_allowed, split_result
 from bridge_schema.messages import Probe
-from drivers.torch import cpu_kernels
 from drivers.torch.driver import TorchDriver
+from drivers.torch.kernels import cpu_kernels
 from drivers.torch.sampling import unpack_logit_masks
 from tests.drivers.torch.helpers import forward, load_dir, make_driver, random_tokens, request, write_tiny_llama
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from bridge_schema.messages import Hello
-from drivers.torch.checkpoint import Checkpoint
 from drivers.torch.driver import DriverOptions, TorchDriver, build_model
-from drivers.torch.fusion import fuse_projections
 from drivers.torch.model import Transformer
-from drivers.torch.smoothing import causal_attention, smooth
+from drivers.torch.weights.checkpoint import Checkpoint
+from drivers.torch.weights.fusion import fuse_projections
+from drivers.torch.weights.smoothing import causal_attention, smooth
 from tests.drivers.torch.helpers import forward, load_dir, random_tokens, request, write_tiny_gemma, write_tiny_llama
 
 

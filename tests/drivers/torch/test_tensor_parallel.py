@@ -47,12 +47,17 @@ from bridge_schema.messages import (
 )
 from bridge_schema.transport import connect
 from drivers.errors import ConfigRejected
-from drivers.torch.checkpoint import Checkpoint
 from drivers.torch.driver import DriverOptions, TorchDriver, build_model
-from drivers.torch.fusion import fuse_projections
-from drivers.torch.smoothing import calibration_tokens, smooth
-from drivers.torch.tensor_parallel import COLUMN_PARALLEL, ROW_PARALLEL, check_tensor_parallel, shard_checkpoint
-from drivers.torch.tp_driver import check_options, checkpoint_state, smoothed_shard
+from drivers.torch.parallel.tensor_parallel import (
+    COLUMN_PARALLEL,
+    ROW_PARALLEL,
+    check_tensor_parallel,
+    shard_checkpoint,
+)
+from drivers.torch.parallel.tp_driver import check_options, checkpoint_state, smoothed_shard
+from drivers.torch.weights.checkpoint import Checkpoint
+from drivers.torch.weights.fusion import fuse_projections
+from drivers.torch.weights.smoothing import calibration_tokens, smooth
 from tests.drivers.torch.helpers import (
     GREEDY,
     brle,

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from bridge_schema.batch import OutputSpec
-from drivers.torch.attention_ref import masked_attention
 from drivers.torch.batch_plan import CacheLimits, build_plan, family_keys
+from drivers.torch.kernels.attention_ref import masked_attention
 from tests.drivers.torch.helpers import brle, forward, random_tokens, request
 
 pytest.importorskip("triton")
@@ -25,7 +25,7 @@ DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
 # The interpreter computes bf16 wrongly; compiled on a GPU, bf16 is tested too.
 DTYPES = [torch.float32, torch.float16] + ([] if INTERPRETED else [torch.bfloat16])
 
-from drivers.torch.attention_triton import paged_attention  # noqa: E402
+from drivers.torch.kernels.attention_triton import paged_attention  # noqa: E402
 
 H, HKV, D = 4, 2, 16
 NUM_PAGES_TOKENS = 160

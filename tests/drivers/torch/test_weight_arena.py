@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from bridge_schema.messages import Hello
-from drivers.torch import weight_arena
 from drivers.torch.driver import DriverOptions, TorchDriver
 from drivers.torch.kv_cache import PagedKVCache
+from drivers.torch.weights import weight_arena
 from tests.drivers.torch.helpers import forward, load_dir, random_tokens, request, write_tiny_llama
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")

@@ -13,8 +13,8 @@ import torch
 
 from drivers.errors import ConfigRejected
 from drivers.torch.config import ModelConfig
-from drivers.torch.gguf_tokenizer import GGUFTokenizer, load_gguf_tokenizer
 from drivers.torch.progress import Progress
+from drivers.torch.weights.gguf_tokenizer import GGUFTokenizer, load_gguf_tokenizer
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

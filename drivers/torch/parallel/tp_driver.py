@@ -16,14 +16,14 @@ import torch
 
 from bridge_schema.messages import Adapter, Copy, Forward, ForwardResult, Handshake, Hello
 from drivers.errors import ConfigRejected
-from drivers.torch.checkpoint import Checkpoint
 from drivers.torch.driver import DTYPES, DriverOptions, TorchDriver, build_model
-from drivers.torch.fusion import fuse_projections
-from drivers.torch.lora import load_peft
 from drivers.torch.model import Transformer
-from drivers.torch.rank_group import RankGroup
-from drivers.torch.smoothing import calibration_tokens, smooth
-from drivers.torch.tensor_parallel import check_tensor_parallel, shard_checkpoint, shard_lora
+from drivers.torch.parallel.rank_group import RankGroup
+from drivers.torch.parallel.tensor_parallel import check_tensor_parallel, shard_checkpoint, shard_lora
+from drivers.torch.weights.checkpoint import Checkpoint
+from drivers.torch.weights.fusion import fuse_projections
+from drivers.torch.weights.lora import load_peft
+from drivers.torch.weights.smoothing import calibration_tokens, smooth
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ import torch
 
 from drivers.torch.batch_plan import PassPlan
 from drivers.torch.config import ModelConfig
+from drivers.torch.kernels.paged_attention import PagedAttention
 from drivers.torch.kv_cache import PagedKVCache
 from drivers.torch.model import Transformer
-from drivers.torch.paged_attention import PagedAttention
 
 log = logging.getLogger("wafer.torch")
 
@@ -103,7 +103,7 @@ class DecodeGraphs:
         return bucket.logits[rows]
 
     def _bucket(self, size: int) -> _Bucket:
-        from drivers.torch.attention_triton import BLOCK_M  # imports triton: CUDA (or the interpreter) only
+        from drivers.torch.kernels.attention_triton import BLOCK_M  # imports triton: CUDA (or the interpreter) only
 
         dev = self.cache.k.device
         arange = torch.arange(size, device=dev)

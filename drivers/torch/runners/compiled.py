@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from drivers.torch import cpu_kernels
 from drivers.torch.config import ModelConfig
-from drivers.torch.direct_graphs import DirectGraphs
+from drivers.torch.kernels import cpu_kernels
+from drivers.torch.kernels.paged_attention import LayerKeys, PagedAttention, attend_keys
 from drivers.torch.model import Block, Reduce, Transformer, attention_inputs, attention_output, output_logits
-from drivers.torch.paged_attention import LayerKeys, PagedAttention, attend_keys
+from drivers.torch.runners.direct_graphs import DirectGraphs
 
 _Families = dict[int, tuple[torch.Tensor, ...]]  # `PagedAttention.family_keys` by window
 

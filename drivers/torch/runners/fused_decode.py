@@ -15,13 +15,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from drivers.torch import cpu_kernels
 from drivers.torch.batch_plan import PassPlan
-from drivers.torch.cpu_layout import TransposedLinear
+from drivers.torch.kernels import cpu_kernels
+from drivers.torch.kernels.paged_attention import PagedAttention
 from drivers.torch.kv_cache import PagedKVCache
 from drivers.torch.model import Transformer
-from drivers.torch.paged_attention import PagedAttention
-from drivers.torch.quantize import DynamicInt8Linear
+from drivers.torch.weights.cpu_layout import TransposedLinear
+from drivers.torch.weights.quantize import DynamicInt8Linear
 
 # The most tokens a w8a8 pass takes: as many as were measured. From 4 rows on the step shares the
 # rows' own work (norms, int8 rounding, SiLU, residuals) out between its threads (before, every

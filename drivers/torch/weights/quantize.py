@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from drivers.errors import ConfigRejected
-from drivers.torch import cpu_kernels, weight_arena
+from drivers.torch.kernels import cpu_kernels
 from drivers.torch.model import Transformer
+from drivers.torch.weights import weight_arena
 
 log = logging.getLogger(__name__)
 WEIGHT_KINDS = ("dense", "int8", "w8a8")

@@ -11,9 +11,9 @@ import re
 import torch
 
 from drivers.errors import ConfigRejected, RequestRejected
-from drivers.torch.checkpoint import Checkpoint
 from drivers.torch.config import ModelConfig
-from drivers.torch.lora import LoraWeights
+from drivers.torch.weights.checkpoint import Checkpoint
+from drivers.torch.weights.lora import LoraWeights
 
 _LAYER_KEY = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(\w+_proj)\.(weight|bias)$")
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # outputs split over ranks

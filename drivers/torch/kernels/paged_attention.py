@@ -11,9 +11,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from drivers.torch.attention_ref import masked_attention
 from drivers.torch.batch_plan import PassPlan, family_keys
 from drivers.torch.config import ModelConfig
+from drivers.torch.kernels.attention_ref import masked_attention
 from drivers.torch.kv_cache import PagedKVCache
 
 
@@ -109,7 +109,7 @@ class PagedAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.use_triton:
-            from drivers.torch.attention_triton import paged_attention
+            from drivers.torch.kernels.attention_triton import paged_attention
 
             plan, cache = self.plan, self.cache
             cache.write(layer, plan.slots, k, v)

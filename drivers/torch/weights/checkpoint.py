@@ -11,8 +11,8 @@ from tokenizers import Tokenizer
 
 from drivers.errors import ConfigRejected
 from drivers.torch.config import ModelConfig
-from drivers.torch.gguf_loader import load_gguf, smollm2_path
-from drivers.torch.hf_loader import load_hf_dir
+from drivers.torch.weights.gguf_loader import load_gguf, smollm2_path
+from drivers.torch.weights.hf_loader import load_hf_dir
 
 
 @dataclass(slots=True)

@@ -24,6 +24,7 @@ from bridge_schema.errors import ConnectionClosed, FrameError, RangeError, Schem
 from bridge_schema.framing import DEFAULT_MAX_FRAME_BYTES
 from bridge_schema.limits import Limits
 from bridge_schema.messages import (
+    DEFERRED_TOKENS,
     MULTI_STEP,
     Ack,
     Adapter,
@@ -84,8 +85,11 @@ def handle(driver: Driver, state: _ServeState, message: Message) -> Message:
         if isinstance(message, Hello):
             reply: Message = driver.handshake(message)
             assert isinstance(reply, Handshake)
-            if MULTI_STEP not in reply.capabilities:  # run here for every driver (`drivers.multistep`)
-                reply.capabilities = [*reply.capabilities, MULTI_STEP]
+            # Run here for every driver (`drivers.multistep`, `drivers.deferred`).
+            reply.capabilities = [
+                *reply.capabilities,
+                *(c for c in (MULTI_STEP, DEFERRED_TOKENS) if c not in reply.capabilities),
+            ]
             state.limits = Limits.from_handshake(reply)
             state.deferred = DeferredTokens()
         elif message.IS_REPLY:

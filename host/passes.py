@@ -9,12 +9,42 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from bridge_schema.batch import OutputResult, OutputSpec
+from host.services import PassResult
 from host.speculator import RequestShape
+
+
+class Waiter(Protocol):
+    """Who gets a pass's result or error: a run thread's future, or a host-side generation's
+    chain (host.engine.chain). The engine core hands it over once its lock is released
+    (`EngineCore.take_handovers`), so no waiter's code runs under the lock; the staging layer's
+    own relays (`under_lock`), which move results between passes, run at once under it."""
+
+    def set_result(self, result: PassResult) -> None: ...
+
+    def set_exception(self, exception: BaseException) -> None: ...
+
+    def done(self) -> bool: ...
+
+
+Outcome = PassResult | BaseException
+Handover = tuple[Waiter, Outcome]
+
+
+def resolve(handovers: list[Handover]) -> None:
+    """Give each waiter its outcome (a waiter already done keeps its first)."""
+    for waiter, outcome in handovers:
+        if waiter.done():
+            continue
+        if isinstance(outcome, BaseException):
+            waiter.set_exception(outcome)
+        else:
+            waiter.set_result(outcome)
 
 
 @dataclass(eq=False, slots=True, kw_only=True)

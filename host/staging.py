@@ -7,38 +7,30 @@ the way every pass's result does, through the waiter they were enqueued with (th
 itself). Every method is called with the engine's lock held. The decisions (what may be staged, what a
 staged entry may serve) belong to `host.speculator`; this module only moves passes and results.
 
-With a driver that has the "deferred_tokens" capability, a context's next step is staged as soon
-as the pass it follows is sent (not when it returns), with its input token left to the driver:
-the next pass then waits at the driver while this one runs, and neither the host's per-pass work
-nor the inferlet's round trip leaves the device idle. Its anchor is filled in (`resolve`) when
-the pass it follows returns, before that pass's result reaches the inferlet; until then it
-matches no request.
+A context's next step is staged as soon as the pass it follows is sent (not when it returns),
+with its input token left to the driver (the "deferred_tokens" capability, which `drivers.serve`
+gives every driver): the next pass then waits at the driver while this one runs, and neither the
+host's per-pass work nor the inferlet's round trip leaves the device idle. Its anchor is filled
+in (`resolve`) when the pass it follows returns, before that pass's result reaches the inferlet;
+until then it matches no request.
+
+Results reach the requests' own waiters through `PassSink.hand_over`: after the engine's lock is
+released, never from inside these relays.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 
 from bridge_schema.batch import OutputSpec
 from host.pages import PageTable
-from host.passes import Pass
+from host.passes import Outcome, Pass, Waiter
 from host.services import PassResult
 from host.speculator import RequestShape, Speculator, StagedEntry
-
-
-class Waiter(Protocol):
-    """Who gets a pass's result: a run thread's future, or a host-side generation's chain
-    (`host.engine`). Called with the engine's lock held."""
-
-    def set_result(self, result: PassResult) -> None: ...
-
-    def set_exception(self, exception: BaseException) -> None: ...
-
-    def done(self) -> bool: ...
 
 
 class PassSink(Protocol):
@@ -52,6 +44,10 @@ class PassSink(Protocol):
         """Drop these passes, waiting or in flight, without telling their waiters."""
         ...
 
+    def hand_over(self, waiter: Waiter, outcome: Outcome) -> None:
+        """Give `waiter` its result or error once the engine's lock is released."""
+        ...
+
 
 # What `Staging.stats` reports with speculation off.
 NO_STATS = {"speculation_hits": 0, "speculation_staged": 0}
@@ -61,6 +57,7 @@ NO_STATS = {"speculation_hits": 0, "speculation_staged": 0}
 class StagedPass:
     """A pre-fired pass, and the waiter the core hands its result (or error) to."""
 
+    under_lock: ClassVar[bool] = True  # a relay: the core calls it at once, under its lock
     entry: StagedEntry
     item: Pass
     staging: Staging = field(repr=False)
@@ -86,7 +83,6 @@ class Staging:
         depth: int,
         pages: PageTable,
         sink: PassSink,
-        deferred_tokens: bool = False,
         may_reserve: Callable[[int, int, int], bool] | None = None,
     ) -> None:
         self.speculator = Speculator(depth=depth)
@@ -94,7 +90,6 @@ class Staging:
         # (run, context, slots): whether the run's page quota lets the context take them
         self._may_reserve = may_reserve
         self._sink = sink
-        self._deferred_tokens = deferred_tokens  # the driver fills in tokens still in flight
         self._by_ticket: dict[int, StagedPass] = {}
         self._chains: dict[int, list[StagedPass]] = {}  # context -> staged passes, chain order
         self._followers: dict[int, StagedPass] = {}  # ticket of a pass in flight -> the step staged after it
@@ -102,18 +97,10 @@ class Staging:
 
     # ------------------------------------------------------------------ producer
 
-    def stage_after(self, run_id: int, context_id: int, shape: RequestShape, token: int) -> None:
-        """After `shape` returned `token` on a context: pre-fire its next decode step."""
-        entry = self.speculator.stage_after(context_id, shape, token)
-        if entry is not None:
-            self._submit(run_id, entry)
-
     def on_dispatched(self, item: Pass) -> None:
-        """`item`'s last chunk is in a pass being sent. With deferred tokens, stage the step
-        after it now: after a staged pass, or after a cold request that samples (its shape is
-        taken only then: it copies the pass's tokens)."""
-        if not self._deferred_tokens:
-            return
+        """`item`'s last chunk is in a pass being sent: stage the step after it now, after a
+        staged pass or after a cold request that samples (its shape is taken only then: it
+        copies the pass's tokens)."""
         staged = self._by_ticket.get(item.ticket)
         if staged is not None:
             staged.is_dispatched = True
@@ -131,17 +118,11 @@ class Staging:
         return ColdPass(waiter, self)
 
     def on_cold_returned(self, item: Pass, result: PassResult) -> None:
-        """A cold pass returned. With deferred tokens its next step was staged (or skipped) when
-        it was sent: fill in that step's anchor. Else stage the next step now."""
-        if not result.outputs:
-            return
-        token = result.outputs[-1].token
-        if self._deferred_tokens:
-            follower = self._followers.pop(item.ticket, None)
-            if follower is not None:
-                self._resolve(follower, token)
-        elif self._pages.has(item.context_id):  # its shape is taken when it returns, not when sent
-            self.stage_after(item.run_id, item.context_id, item.shape, token)
+        """A cold pass returned: its next step was staged (or skipped) when it was sent; fill
+        in that step's anchor."""
+        follower = self._followers.pop(item.ticket, None)
+        if follower is not None and result.outputs:
+            self._resolve(follower, result.outputs[-1].token)
 
     def on_cold_failed(self, item: Pass) -> None:
         """A cold pass failed: the step staged after it can never be right."""
@@ -150,12 +131,12 @@ class Staging:
             self._drop(item.context_id)
 
     def _grow(self, staged: StagedPass) -> None:
-        """Stage the step after `staged` once its token is known, or, with deferred tokens, once
-        it is sent: after the request it served if one took it, else deeper in its chain."""
+        """Stage the step after `staged` once it is sent (or its token is known): after the
+        request it served if one took it, else deeper in its chain."""
         if staged.has_next:
             return
         token = staged.result.outputs[-1].token if staged.result is not None else None
-        if token is None and not (self._deferred_tokens and staged.is_dispatched):
+        if token is None and not staged.is_dispatched:
             return
         if staged.served_shape is not None:
             entry = self.speculator.stage_after(staged.item.context_id, staged.served_shape, token)
@@ -233,12 +214,11 @@ class Staging:
             self._resolve(follower, result.outputs[-1].token)
         self._grow(staged)
         if staged.waiter is not None:
-            staged.waiter.set_result(result)
+            self._sink.hand_over(staged.waiter, result)
 
     def after_served(self, staged: StagedPass) -> None:
         """A request was answered from `staged` (its result is known, or a waiter is set): stage
-        the step after it, now if its token is known or it is already sent with deferred
-        tokens, else when that changes."""
+        the step after it, now if it is sent or its token known, else when that changes."""
         assert staged.served_shape is not None
         chain = self._chains.get(staged.item.context_id)
         # The chain shrank by one: grow it again from its last entry (or from `staged` if it
@@ -251,9 +231,12 @@ class Staging:
         if self._by_ticket.pop(ticket, None) is None:
             return  # dropped meanwhile
         self._followers.pop(ticket, None)
-        if staged.waiter is not None and not staged.waiter.done():
-            staged.waiter.set_exception(error)
+        if staged.waiter is not None:
+            self._sink.hand_over(staged.waiter, error)
         self._drop(staged.item.context_id)
+
+    def hand_over(self, waiter: Waiter, outcome: Outcome) -> None:
+        self._sink.hand_over(waiter, outcome)
 
     # ------------------------------------------------------------------ invalidation
 
@@ -284,6 +267,7 @@ class ColdPass:
     then staging follows up on it (`Staging.watch`)."""
 
     __slots__ = ("item", "staging", "waiter")
+    under_lock: ClassVar[bool] = True  # a relay: the core calls it at once, under its lock
 
     def __init__(self, waiter: Waiter, staging: Staging) -> None:
         self.waiter = waiter
@@ -291,14 +275,14 @@ class ColdPass:
         self.item: Pass | None = None  # the pass as queued (after prefix reuse trimmed it)
 
     def set_result(self, result: PassResult) -> None:
-        self.waiter.set_result(result)
+        self.staging.hand_over(self.waiter, result)
         assert self.item is not None, "a cold pass returned before it was queued"
         self.staging.on_cold_returned(self.item, result)
 
     def set_exception(self, exception: BaseException) -> None:
         if self.item is not None:
             self.staging.on_cold_failed(self.item)
-        self.waiter.set_exception(exception)
+        self.staging.hand_over(self.waiter, exception)
 
     def done(self) -> bool:
         return self.waiter.done()

@@ -36,12 +36,6 @@ def build_parser(listen_required: bool = True) -> argparse.ArgumentParser:
         metavar="TEXT",
         help="every context samples TEXT (its UTF-8 bytes, one token each) then end-of-text, instead of random tokens",
     )
-    parser.add_argument(
-        "--no-deferred-tokens",
-        dest="deferred_tokens",
-        action="store_false",
-        help="leave the deferred_tokens capability out of the handshake (like a driver without it)",
-    )
     return parser
 
 
@@ -67,7 +61,6 @@ def _config(args: argparse.Namespace) -> DummyConfig:
         max_fill_chunk_tokens=args.max_fill_chunk_tokens,
         pass_latency_ms=args.pass_latency_ms,
         seed=args.seed,
-        deferred_tokens=args.deferred_tokens,
         script=tuple(args.say.encode("utf-8")) if args.say is not None else (),
     )
 

@@ -20,7 +20,6 @@ from bridge_schema.batch import logit_mask_words, unpack_allowed
 from bridge_schema.config_rules import check_prefix_match_unit
 from bridge_schema.errors import ConfigError
 from bridge_schema.messages import (
-    DEFERRED_TOKENS,
     Adapter,
     Copy,
     Forward,
@@ -57,7 +56,6 @@ class DummyConfig:
     max_fill_chunk_tokens: int = 0  # the fill chunk the handshake prefers (0: none), as the torch driver's
     pass_latency_ms: float = 0.0
     seed: int = 0
-    deferred_tokens: bool = True  # advertise the capability (`drivers.serve` implements it)
     # What every context "says": these tokens in order, then ENDOFTEXT (see DummyDriver._say).
     script: tuple[int, ...] = ()
 
@@ -113,8 +111,7 @@ class DummyDriver:
             max_mask_bytes=c.max_mask_bytes,
             max_probe_k=c.max_probe_k,
             max_fill_chunk_tokens=c.max_fill_chunk_tokens,
-            capabilities=["attention_mask", "logit_mask", "probes", "adapters", "copy"]
-            + ([DEFERRED_TOKENS] if c.deferred_tokens else []),
+            capabilities=["attention_mask", "logit_mask", "probes", "adapters", "copy"],
             tokenizer_kind="bytes",
             chat_template=CHATML_TEMPLATE,
             stop_token_ids=np.array([IM_END, ENDOFTEXT], dtype=np.uint32),

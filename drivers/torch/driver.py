@@ -15,7 +15,7 @@ import torch
 from bridge_schema.batch import OutputSpec, RequestSpec, build_forward
 from bridge_schema.config_rules import check_prefix_match_unit
 from bridge_schema.errors import ConfigError
-from bridge_schema.messages import DEFERRED_TOKENS, Adapter, Copy, Forward, ForwardResult, Handshake, Hello
+from bridge_schema.messages import Adapter, Copy, Forward, ForwardResult, Handshake, Hello
 from drivers.errors import ConfigRejected, RequestRejected
 from drivers.torch.batch_plan import CacheLimits, PassPlan, build_plan
 from drivers.torch.kernels import cpu_kernels
@@ -209,7 +209,6 @@ class TorchDriver:
                 "adapters",
                 "copy",
                 "sliding_window",
-                DEFERRED_TOKENS,  # implemented by `drivers.serve`
             ],
             tokenizer_kind="huggingface" if tok is not None else "bytes",
             tokenizer_data=tok.to_str() if tok is not None else "",

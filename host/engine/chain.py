@@ -3,16 +3,17 @@ request made from the last step's result by the API layer's `next_step`, with no
 and no guest call per token.
 
 `next_step` fills grammar bitmasks, checks stop tokens and writes output: it runs with the
-engine's lock released (on the loop thread when a pass returns, on the run thread for the first
-step), and the lock is taken only to hand its request to the core.
+engine's lock released (a step's result is handed over as the lock is let go: on the loop thread
+when a pass returns, on the run thread for the first step), and the lock is taken only to hand
+its request to the core.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 
 from host.engine.core import EngineCore
+from host.engine.lock import EngineLock
 from host.services import NextStep, PassRequest, PassResult
 
 
@@ -20,7 +21,7 @@ class Chain:
     """The waiter of each step of one generation in turn."""
 
     def __init__(
-        self, core: EngineCore, lock: threading.Lock, run_id: int, context_id: int, next_step: NextStep
+        self, core: EngineCore, lock: EngineLock, run_id: int, context_id: int, next_step: NextStep
     ) -> None:
         self._core = core
         self._lock = lock
@@ -41,10 +42,10 @@ class Chain:
         if served is not None:
             self.continue_from(served)
 
-    # ------------------------------------------------------------------ Waiter (lock held)
+    # ------------------------------------------------------------------ Waiter (lock free)
 
     def set_result(self, result: PassResult) -> None:
-        self._core.continue_later(self, result)  # continued by the loop, after the lock
+        self.continue_from(result)
 
     def set_exception(self, exception: BaseException) -> None:
         if not self.finished.done():
@@ -52,8 +53,6 @@ class Chain:
 
     def done(self) -> bool:
         return self.finished.done()
-
-    # ------------------------------------------------------------------ Continuation (lock free)
 
     def continue_from(self, result: PassResult) -> None:
         """Submit the steps that follow `result` until one has to wait for the driver, or the

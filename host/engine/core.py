@@ -8,7 +8,7 @@ the engine's lock held. Its verbs:
 - the context verbs (`create_context`, `fork_context`, `truncate_context`, `release_context`,
   `release_slots`, `end_run`), on `host.engine.contexts.Contexts`, the lifecycle owner;
 - `submit` (= `check_pass` + `queue`): check a pass and queue it; every result or error goes to
-  the waiter it was queued with;
+  the waiter it was queued with, handed over once the lock is released (`take_handovers`);
 - `next_batch` / `complete` / `fail` / `isolate`: the loop's side, one driver pass at a time;
 - `break_link` / `shut_down`: the link is gone, or the loop ends.
 
@@ -20,7 +20,6 @@ through their waiters, like any other client of the core.
 from __future__ import annotations
 
 import itertools
-from typing import Protocol
 
 from bridge_schema.batch import OutputResult
 from bridge_schema.messages import MULTI_STEP, Handshake
@@ -29,23 +28,16 @@ from host.engine.contexts import Contexts
 from host.errors import DriverFailed, EngineClosed, HostError, InvalidRequest, RunEnded
 from host.pages import PageCopy, PageTable
 from host.pass_check import check_holes_masked, check_request
-from host.passes import Pass
+from host.passes import Handover, Outcome, Pass, Waiter, resolve
 from host.prefix import NoPrefixReuse, PrefixReuse
 from host.prefix_cache import PrefixCache
 from host.scheduler import Batch, PassLimits, Scheduler
 from host.services import ModelInfo, PassRequest, PassResult, Tokenizer
-from host.staging import NO_STATS, Waiter
+from host.staging import NO_STATS
 from host.tokenizer import tokenizer_from_handshake
 
 # Two passes in flight: the driver works on one while the next is built and sent.
 MAX_PASSES_IN_FLIGHT = 2
-
-
-class Continuation(Protocol):
-    """A waiter that goes on after its result (a host-side generation, host.engine.chain): it
-    is handed back by `complete` and continued by the loop once the lock is released."""
-
-    def continue_from(self, result: PassResult) -> None: ...
 
 
 class EngineCore:
@@ -82,7 +74,7 @@ class EngineCore:
         self.contexts = Contexts(pages, prefix, self._scheduler, quota, config.max_run_contexts)
         self.pages = pages
         self._waiters: dict[int, Waiter] = {}  # ticket -> who gets the pass's result
-        self._ready: list[tuple[Continuation, PassResult]] = []  # generations to continue
+        self._handovers: list[Handover] = []  # outcomes for waiters, once the lock is released
         self._run_adapters: dict[int, set[int]] = {}
         self._decode_steps_cap = config.decode_steps_cap
         self._multi_step_budget_s = config.multi_step_budget_ms / 1000
@@ -237,24 +229,28 @@ class EngineCore:
         self.num_in_flight += 1
         return batch
 
-    def complete(
-        self, batch: Batch, outputs: list[list[OutputResult]], elapsed_s: float
-    ) -> list[tuple[Continuation, PassResult]]:
-        """A pass's results came back after `elapsed_s` at the driver: route them. Returns the
-        generations to continue, once the lock is released (their next steps may take the passes
-        staged just now)."""
+    def complete(self, batch: Batch, outputs: list[list[OutputResult]], elapsed_s: float) -> None:
+        """A pass's results came back after `elapsed_s` at the driver: route them."""
         self.num_in_flight -= 1
         steps = max(chunk.item.steps for chunk in batch.chunks)
         sample = elapsed_s / steps
         self._step_s = sample if not self._step_s else 0.8 * self._step_s + 0.2 * sample
         for item in self._scheduler.complete(batch, outputs):
             self._on_finished(item)
-        ready, self._ready = self._ready, []
-        return ready
 
-    def continue_later(self, continuation: Continuation, result: PassResult) -> None:
-        """`continuation`'s pass returned `result` (inside `complete`)."""
-        self._ready.append((continuation, result))
+    def hand_over(self, waiter: Waiter, outcome: Outcome) -> None:
+        """Give `waiter` its result or error: a staging relay (`under_lock`) at once, any other
+        once the lock is released (`take_handovers`), so its code never runs under it."""
+        if getattr(waiter, "under_lock", False):
+            resolve([(waiter, outcome)])
+        else:
+            self._handovers.append((waiter, outcome))
+
+    def take_handovers(self) -> list[Handover]:
+        """The outcomes collected since the last call, for whoever releases the lock to give
+        out (`host.passes.resolve`) once it has."""
+        handovers, self._handovers = self._handovers, []
+        return handovers
 
     def isolate(self, batch: Batch) -> None:
         """The driver refused `batch`: which request is bad is unknown, so each goes again alone
@@ -287,7 +283,7 @@ class EngineCore:
         error = self.broken or EngineClosed("the engine closed while the pass waited")
         waiters, self._waiters = self._waiters, {}
         for waiter in waiters.values():
-            waiter.set_exception(error)
+            self.hand_over(waiter, error)
 
     # ------------------------------------------------------------------ internals
 
@@ -295,7 +291,7 @@ class EngineCore:
         self.contexts.prefix.register_completed(item.context_id, item.kv_start + len(item.tokens))
         waiter = self._waiters.pop(item.ticket, None)
         if waiter is not None:
-            waiter.set_result(PassResult(outputs=item.results))
+            self.hand_over(waiter, PassResult(outputs=item.results))
 
     def _fail_unschedulable(self) -> None:
         """Nothing in flight and nothing fits: fail what waits rather than let it wait forever
@@ -308,7 +304,7 @@ class EngineCore:
         """Fail the waiter and give back the slots the pass had reserved."""
         waiter = self._waiters.pop(item.ticket, None)
         if waiter is not None:
-            waiter.set_exception(error)
+            self.hand_over(waiter, error)
         end = item.kv_start + len(item.tokens)
         if self.pages.has(item.context_id) and self.pages.length(item.context_id) == end:
             self.contexts.truncate(item.context_id, item.kv_start)

@@ -17,6 +17,7 @@ from host.adapters import AdapterNameError, AdapterSlotsFull, AdapterTable, reso
 from host.engine.chain import Chain
 from host.engine.config import EngineConfig
 from host.engine.core import EngineCore
+from host.engine.lock import EngineLock
 from host.engine.loop import EngineLoop
 from host.errors import FeatureUnavailable, HostError, InvalidRequest
 from host.services import ModelInfo, NextStep, PassRequest, PassResult, Tokenizer
@@ -35,7 +36,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self._lock = threading.Lock()
+        self._lock = EngineLock()
         self._loop = EngineLoop(config, self._lock)
         self._adapters = AdapterTable(config.max_loaded_adapters)  # loaded on the driver, shared by runs
         self._adapter_lock = threading.Lock()

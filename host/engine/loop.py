@@ -26,6 +26,7 @@ from bridge_schema.transport import run as run_loop
 from host.driver_link import DriverLink, open_link
 from host.engine.config import EngineConfig
 from host.engine.core import EngineCore
+from host.engine.lock import EngineLock
 from host.engine.speculation import build_core
 from host.errors import DriverFailed, HostError
 from host.pages import copy_groups
@@ -39,7 +40,7 @@ class EngineLoop:
     """`start()` returns the core once the driver has handshaken; `stop()` joins the thread
     (after the core was asked to close)."""
 
-    def __init__(self, config: EngineConfig, lock: threading.Lock) -> None:
+    def __init__(self, config: EngineConfig, lock: EngineLock) -> None:
         self._config = config
         self._lock = lock
         self._core: EngineCore | None = None
@@ -123,6 +124,7 @@ class EngineLoop:
     async def _main(self) -> None:
         async with open_link(self._config.driver_spec()) as link:
             self._core = build_core(self._config, link.handshake)
+            self._lock.core = self._core
             self._link = link
             self._loop = asyncio.get_running_loop()
             self._wake = asyncio.Event()
@@ -201,10 +203,8 @@ class EngineLoop:
             elapsed = t0 - max(sent_at, self._last_reply_at)
             self._last_reply_at = t0
             outputs = split_result(forward, result)
-            with self._lock:
-                ready = core.complete(batch, outputs, elapsed)
-            for continuation, step in ready:  # grammar masks and output, off the lock
-                continuation.continue_from(step)
+            with self._lock:  # generations go on as it is released (grammar masks, output)
+                core.complete(batch, outputs, elapsed)
             self.complete_s += time.perf_counter() - t0
         self._wake_here()
 

@@ -4,8 +4,9 @@
 - `submit`: a request that a staged pass serves takes that pass (and its reserved slot) instead
   of being queued; any other is queued with a `ColdPass` waiter, which stages the context's next
   step once its result is handed over.
-- `next_batch`: with deferred tokens, the step after each decode in the batch is staged as the
-  batch goes out, to follow it at the driver.
+- `next_batch`: the step after each decode in the batch is staged as the batch goes out, to
+  follow it at the driver with its input token deferred (`drivers.serve` fills it in for every
+  driver; a driver that does not advertise it gets no speculation).
 - staged passes enter the core through `EngineCore.enqueue` with their `StagedPass` as waiter, so
   their results and errors come back the way every pass's do; a context's fork, truncation,
   punch or release drops its chain (`Contexts.subscribe`).
@@ -16,25 +17,23 @@ moving of passes and results is host.staging's.
 
 from __future__ import annotations
 
+import logging
+
 from bridge_schema.messages import DEFERRED_TOKENS, Handshake
 from host.engine.config import EngineConfig
 from host.engine.core import EngineCore
+from host.passes import Waiter
 from host.scheduler import Batch
 from host.services import PassRequest, PassResult
-from host.staging import Staging, Waiter
+from host.staging import Staging
+
+_log = logging.getLogger("wafer.engine")
 
 
 class SpeculativeCore(EngineCore):
     def __init__(self, config: EngineConfig, handshake: Handshake) -> None:
         super().__init__(config, handshake)
-        self._deferred_tokens = DEFERRED_TOKENS in handshake.capabilities
-        self.staging = Staging(
-            config.speculation_depth,
-            self.pages,
-            self,
-            deferred_tokens=self._deferred_tokens,
-            may_reserve=self.contexts.may_reserve,
-        )
+        self.staging = Staging(config.speculation_depth, self.pages, self, may_reserve=self.contexts.may_reserve)
         self.contexts.subscribe(self.staging.invalidate)
 
     def submit(self, run_id: int, context_id: int, request: PassRequest, waiter: Waiter) -> PassResult | None:
@@ -46,7 +45,7 @@ class SpeculativeCore(EngineCore):
             self.contexts.adopt_reserved(context_id, item)
             if staged.result is None:
                 staged.waiter = waiter
-            self.staging.after_served(staged)  # with deferred tokens, the next step goes now
+            self.staging.after_served(staged)  # its next step goes now if it is sent
             return staged.result
         if not item.outputs:  # nothing sampled: nothing to stage after it
             self.queue(item, waiter)
@@ -57,7 +56,7 @@ class SpeculativeCore(EngineCore):
 
     def next_batch(self) -> Batch | None:
         batch = super().next_batch()
-        if batch is not None and self._deferred_tokens:
+        if batch is not None:
             for chunk in batch.chunks:
                 if chunk.is_last and not chunk.item.is_cancelled:
                     self.staging.on_dispatched(chunk.item)
@@ -68,7 +67,15 @@ class SpeculativeCore(EngineCore):
 
 
 def build_core(config: EngineConfig, handshake: Handshake) -> EngineCore:
-    """The engine core for `config`: with pass-level speculation around it unless its depth is 0."""
-    if config.speculation_depth > 0:
-        return SpeculativeCore(config, handshake)
-    return EngineCore(config, handshake)
+    """The engine core for `config`: with pass-level speculation around it unless its depth is 0
+    or the driver cannot fill in deferred tokens (one that does not run on `drivers.serve`)."""
+    if config.speculation_depth <= 0:
+        return EngineCore(config, handshake)
+    if DEFERRED_TOKENS not in handshake.capabilities:
+        _log.warning(
+            "driver %s does not fill in deferred tokens (drivers.serve does it for every driver): "
+            "pass-level speculation is off",
+            handshake.model_name,
+        )
+        return EngineCore(config, handshake)
+    return SpeculativeCore(config, handshake)

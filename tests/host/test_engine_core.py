@@ -14,6 +14,7 @@ from host.engine import EngineConfig
 from host.engine.core import EngineCore
 from host.engine.speculation import build_core
 from host.errors import ContextLimitExceeded, DriverFailed, EngineClosed, InvalidRequest, PageQuotaExceeded
+from host.passes import resolve
 from host.scheduler import Batch
 from host.services import PassRequest, PassResult
 
@@ -35,7 +36,7 @@ def handshake(capabilities: tuple[str, ...] = ()) -> Handshake:
     )
 
 
-def core(capabilities: tuple[str, ...] = (), **config: int) -> EngineCore:
+def core(capabilities: tuple[str, ...] = (DEFERRED_TOKENS,), **config: int) -> EngineCore:
     return build_core(EngineConfig("loopback", **config), handshake(capabilities))  # type: ignore[arg-type]
 
 
@@ -43,13 +44,16 @@ def decode(token: int) -> PassRequest:
     return PassRequest(tokens=[token], outputs=[OutputSpec(0, Sampler())])
 
 
-def answer(c: EngineCore, tokens: list[int]) -> list[tuple[object, PassResult]]:
-    """Play the driver for the next batch: its outputs sample `tokens` in order."""
+def answer(c: EngineCore, tokens: list[int], settle: bool = True) -> None:
+    """Play the driver for the next batch: its outputs sample `tokens` in order; then, as the
+    engine's lock does when released, give the waiters their outcomes (unless not `settle`)."""
     batch = c.next_batch()
     assert isinstance(batch, Batch)
     picks = iter(tokens)
     outputs = [[OutputResult(next(picks)) for _ in chunk.spec.outputs] for chunk in batch.chunks]
-    return c.complete(batch, outputs, 0.001)
+    c.complete(batch, outputs, 0.001)
+    if settle:
+        resolve(c.take_handovers())
 
 
 def test_the_kept_context_is_what_one_run_may_hold() -> None:
@@ -96,6 +100,7 @@ def test_shut_down_fails_every_waiter_left() -> None:
     other = c.create_context(RUN)
     c.submit(RUN, other, decode(2), queued)
     c.shut_down()
+    resolve(c.take_handovers())
     for waiter in (queued, sent):
         with pytest.raises(EngineClosed):
             waiter.result(0)
@@ -103,35 +108,24 @@ def test_shut_down_fails_every_waiter_left() -> None:
         c.create_context(RUN)
 
 
-class _Generation:
-    """A continuation as host-side generation is one: its result comes back through the core."""
-
-    def __init__(self, c: EngineCore) -> None:
-        self.core = c
-        self.continued: list[PassResult] = []
-
-    def set_result(self, result: PassResult) -> None:
-        self.core.continue_later(self, result)
-
-    def set_exception(self, exception: BaseException) -> None:
-        raise AssertionError(exception)
-
-    def done(self) -> bool:
-        return False
-
-    def continue_from(self, result: PassResult) -> None:
-        self.continued.append(result)
-
-
-def test_complete_hands_generations_back_instead_of_continuing_them_itself() -> None:
-    """The caller continues them once the lock is released (grammar masks, output)."""
-    c = core()
+def test_complete_hands_results_over_for_after_the_lock_instead_of_resolving_them() -> None:
+    """A waiter's code (a woken run thread, a generation's next step) never runs under the
+    engine's lock: the core collects the outcomes, whoever releases the lock gives them out."""
+    c = core(speculation_depth=1)
     ctx = c.create_context(RUN)
-    generation = _Generation(c)
-    c.submit(RUN, ctx, decode(5), generation)
-    ready = answer(c, [9])
-    assert generation.continued == []
-    assert [(g, r.outputs[0].token) for g, r in ready] == [(generation, 9)]
+    waiter = _future()
+    c.submit(RUN, ctx, decode(5), waiter)
+    answer(c, [9], settle=False)
+    assert not waiter.done()
+    handovers = c.take_handovers()
+    assert [(w, r.outputs[0].token) for w, r in handovers] == [(waiter, 9)]  # type: ignore[union-attr]
+    resolve(handovers)
+    assert waiter.result(0).outputs[0].token == 9 and c.take_handovers() == []
+
+
+def test_a_driver_that_cannot_fill_in_deferred_tokens_gets_no_speculation() -> None:
+    assert type(core((), speculation_depth=1)) is EngineCore
+    assert type(core(speculation_depth=1)) is not EngineCore
 
 
 def test_a_slot_served_from_a_staged_pass_is_named_for_prefix_reuse() -> None:
@@ -164,20 +158,22 @@ def test_a_request_waiting_on_a_staged_pass_fails_when_the_engine_shuts_down() -
     assert c.submit(RUN, ctx, decode(6), served) is None  # taken; it has not been sent yet
     assert c.speculation_stats()["speculation_hits"] == 1
     c.shut_down()
+    resolve(c.take_handovers())
     with pytest.raises(EngineClosed):
         served.result(0)
 
 
-def test_with_deferred_tokens_a_failed_pass_takes_the_step_staged_after_it_along() -> None:
+def test_a_failed_pass_takes_the_step_staged_after_it_along() -> None:
     """The next step was staged as the pass went out, its token left to the driver: if that pass
     fails, the step can never be right and must not go out."""
-    c = core(capabilities=(DEFERRED_TOKENS,), speculation_depth=1)
+    c = core(speculation_depth=1)
     ctx = c.create_context(RUN)
     failed = _future()
     c.submit(RUN, ctx, decode(5), failed)
     batch = c.next_batch()
     assert batch is not None and c.speculation_stats()["speculation_staged"] == 1
     c.fail(batch, DriverFailed("the pass failed"))
+    resolve(c.take_handovers())
     with pytest.raises(DriverFailed):
         failed.result(0)
     assert c.next_batch() is None

@@ -68,17 +68,8 @@ def test_plain_decodes_are_served_from_staged_passes_without_changing_the_output
     assert cold_engine.speculation_stats()["speculation_hits"] == 0
 
 
-@pytest.fixture(scope="module")
-def engine_without_deferred_tokens() -> Iterator[Engine]:
-    args = ["--num-pages", "256", "--page-size", str(PAGE), "--no-deferred-tokens"]
-    with Engine.start(EngineConfig("loopback", args, speculation_depth=1)) as e:
-        yield e
-
-
 @pytest.mark.parametrize("depth", [1, 2])
-def test_greedy_steps_sent_before_their_input_token_is_back_generate_the_same(
-    depth: int, cold_engine: Engine, engine_without_deferred_tokens: Engine
-) -> None:
+def test_greedy_steps_sent_before_their_input_token_is_back_generate_the_same(depth: int, cold_engine: Engine) -> None:
     """With deferred tokens, each next step goes to the driver while the pass it follows is in
     flight, its input token left for the driver to fill in. The dummy's greedy draw depends on
     its input token, so a wrong or stale token would change what is generated."""
@@ -102,12 +93,6 @@ def test_greedy_steps_sent_before_their_input_token_is_back_generate_the_same(
         assert e.driver_health()["deferred_tokens_filled"] > 0
     assert len(set(pipelined)) > 3  # the draws depend on the token (else this proves nothing)
     assert pipelined == run_greedy(cold_engine)
-    # A driver without the capability: staged when the pass returns, same tokens, none deferred.
-    before = engine_without_deferred_tokens.speculation_stats()
-    assert run_greedy(engine_without_deferred_tokens) == pipelined
-    delta = stats_delta(engine_without_deferred_tokens, before)
-    assert delta["speculation_hits"] == 29
-    assert engine_without_deferred_tokens.driver_health()["deferred_tokens_filled"] == 0
 
 
 def test_a_request_with_a_logit_mask_is_never_served_by_a_staged_fire(engine: Engine) -> None:

@@ -1,4 +1,4 @@
-"""host.staging with deferred tokens, driven step by step (no threads, no driver): the next
+"""host.staging, driven step by step (no threads, no driver): the next
 step is staged when the pass it follows is sent, its anchor filled in when that pass returns,
 and a chain at depth 2 grows back from its last entry whenever a request takes its first."""
 
@@ -10,10 +10,10 @@ import numpy as np
 
 from bridge_schema.batch import OutputResult, OutputSpec, Sampler
 from host.pages import PageTable
-from host.passes import Pass
+from host.passes import Outcome, Pass, Waiter, resolve
 from host.scheduler import Batch, PassLimits, Scheduler
 from host.services import PassResult
-from host.staging import StagedPass, Staging, Waiter
+from host.staging import StagedPass, Staging
 
 CTX, RUN, PAGE = 1, 1, 4
 SAMPLER = Sampler.greedy()
@@ -25,7 +25,7 @@ class Harness:
         self.pages = PageTable(64, PAGE)
         self.scheduler = Scheduler(PassLimits(max_requests_per_pass=8, max_tokens_per_pass=64), PAGE)
         self.waiters: dict[int, Waiter] = {}
-        self.staging = Staging(depth, self.pages, self, deferred_tokens=True)
+        self.staging = Staging(depth, self.pages, self)
         self.pages.create(CTX)
         self.pages.extend(CTX, 3)  # a prompt, already in the cache
         self.batches: list[Batch] = []
@@ -39,6 +39,9 @@ class Harness:
     def cancel(self, tickets: set[int]) -> None:
         for item in self.scheduler.cancel(lambda p: p.ticket in tickets):
             del self.waiters[item.ticket]
+
+    def hand_over(self, waiter: Waiter, outcome: Outcome) -> None:
+        resolve([(waiter, outcome)])
 
     def cold(self, token: int) -> Pass:
         """The inferlet's own decode request, cold, as the engine would queue it."""

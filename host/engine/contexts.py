@@ -70,15 +70,17 @@ class Contexts:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def create(self, run_id: int) -> int:
+    def create(self, run_id: int, context_id: int = 0) -> int:
+        """A new empty context of `run_id`: its id is `context_id` when one is given (a layer
+        above chose it: replicas hand down ids unique across them), else the next free one."""
         self._check_count(run_id)
-        context_id = next(self._ids)
+        context_id = self._new_id(context_id)
         self.pages.create(context_id, owner=run_id)
         self.prefix.on_create(context_id)
         self._own(context_id, run_id)
         return context_id
 
-    def fork(self, run_id: int, context_id: int) -> int:
+    def fork(self, run_id: int, context_id: int, child_id: int = 0) -> int:
         self.check_owner(run_id, context_id)
         self._check_count(run_id)
         self.invalidate(context_id)
@@ -86,12 +88,21 @@ class Contexts:
         # A fork shares its parent's pages; it is charged them all (its own from the first
         # write on), and the copy of the partial page.
         self.check_quota(run_id, context_id, 0, extra_pages=len(self.pages.held(context_id)) + 1)
-        child = next(self._ids)
+        child = self._new_id(child_id)
         # The partial page's Copy goes out before the next pass (the loop sends copies first).
         self._copies += self.pages.fork(context_id, child, owner=run_id)
         self.prefix.on_fork(context_id, child)
         self._own(child, run_id)
         return child
+
+    def _new_id(self, chosen: int) -> int:
+        if not chosen:
+            chosen = next(self._ids)
+            while self.pages.has(chosen):  # ids chosen above may run ahead of the counter
+                chosen = next(self._ids)
+        elif chosen < 0 or self.pages.has(chosen):
+            raise InvalidRequest(f"context id {chosen} is in use or invalid")
+        return chosen
 
     def truncate(self, context_id: int, length: int) -> None:
         """The context keeps its first `length` slots; its staged chain is dropped."""

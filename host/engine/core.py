@@ -108,13 +108,13 @@ class EngineCore:
 
     # ------------------------------------------------------------------ contexts
 
-    def create_context(self, run_id: int) -> int:
+    def create_context(self, run_id: int, context_id: int = 0) -> int:
         self.check_usable()
-        return self.contexts.create(run_id)
+        return self.contexts.create(run_id, context_id)
 
-    def fork_context(self, run_id: int, context_id: int) -> int:
+    def fork_context(self, run_id: int, context_id: int, child_id: int = 0) -> int:
         self.check_usable()
-        return self.contexts.fork(run_id, context_id)
+        return self.contexts.fork(run_id, context_id, child_id)
 
     def truncate_context(self, run_id: int, context_id: int, length: int) -> None:
         self.contexts.check_owner(run_id, context_id)

@@ -82,13 +82,14 @@ class Engine:
 
     # ------------------------------------------------------------------ Services: contexts
 
-    def create_context(self, run_id: int) -> int:
+    def create_context(self, run_id: int, context_id: int = 0) -> int:
+        """A new context (with id `context_id` if given: replicas choose ids unique across them)."""
         with self._lock:
-            return self._core.create_context(run_id)
+            return self._core.create_context(run_id, context_id)
 
-    def fork_context(self, run_id: int, context_id: int) -> int:
+    def fork_context(self, run_id: int, context_id: int, child_id: int = 0) -> int:
         with self._lock:
-            child = self._core.fork_context(run_id, context_id)
+            child = self._core.fork_context(run_id, context_id, child_id)
         self._loop.wake()  # the partial page's copy
         return child
 

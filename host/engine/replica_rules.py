@@ -1,12 +1,10 @@
 """What replicas must agree on, and how their answers become one (host.engine.replicas): the
-model check, their counters and page pools summed, their errors told in the ids the run knows.
+model check, their counters and page pools summed, a group's answers in its order.
 Knows nothing of placement or of how replicas are started."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from bridge_schema.messages import Handshake
@@ -17,7 +15,6 @@ if TYPE_CHECKING:
     from host.services import PassResult
 
 _MUST_EQUAL = ("model_name", "vocab_size", "page_size", "tokenizer_kind", "tokenizer_data", "chat_template")
-_CONTEXT_ID = re.compile(r"\bcontext (\d+)\b")
 
 
 def disagreement(first: Handshake, other: Handshake) -> str:
@@ -88,37 +85,9 @@ class ReplicaTotals:
 
 
 def in_group_order(
-    bound: Sequence[tuple[int, int] | HostError], answers: Iterable[PassResult | HostError]
+    refused: Sequence[HostError | None], answers: Iterable[PassResult | HostError]
 ) -> list[PassResult | HostError]:
-    """A group's results in its order: where `bound` holds an error (a pass never sent), that
-    error; elsewhere the replica's next answer, its errors told in the run's context id
-    (`bound` holds (replica's id, run's id) there)."""
+    """A group's results in its order: where `refused` holds an error (a pass never sent), that
+    error; elsewhere the replica's next answer."""
     it = iter(answers)
-    results: list[PassResult | HostError] = []
-    for ids in bound:
-        if isinstance(ids, HostError):
-            results.append(ids)
-            continue
-        answer = next(it)
-        results.append(rename_context(answer, *ids) if isinstance(answer, HostError) else answer)
-    return results
-
-
-@contextmanager
-def renamed_context(local_id: int, context_id: int) -> Iterator[None]:
-    """A replica's error names the context by the replica's id: name it by the one the run knows."""
-    try:
-        yield
-    except HostError as exc:
-        rename_context(exc, local_id, context_id)
-        raise
-
-
-def rename_context(exc: HostError, local_id: int, context_id: int) -> HostError:
-    """`exc`, naming context `context_id` where the replica named it `local_id`."""
-    if local_id and exc.args and isinstance(exc.args[0], str):
-        text = _CONTEXT_ID.sub(lambda m: f"context {context_id}" if m[1] == str(local_id) else m[0], exc.args[0])
-        exc.args = (text,)
-        if getattr(exc, "context_id", None) == local_id:
-            exc.context_id = context_id  # type: ignore[attr-defined]
-    return exc
+    return [why if why is not None else next(it) for why in refused]

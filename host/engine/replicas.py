@@ -5,7 +5,8 @@ the daemon reads of an engine).
 A run is placed on one replica at its first pass (or fork, or adapter load), by prefix affinity,
 load and free pages (host.engine.placement); every context it makes lives there, forks with their
 parent. Until then its contexts exist only here: they are empty, and are made on the replica when
-the run is placed. Context ids are this layer's, unique across replicas. A replica that fails
+the run is placed. Context ids are this layer's, unique across replicas, and each replica's
+engine is handed them, so its errors name the ids the run knows. A replica that fails
 fails the runs placed on it (their calls raise its engine's error); the others keep serving, and
 later runs are placed on the replicas that are up.
 """
@@ -25,7 +26,7 @@ from bridge_schema.messages import Handshake
 from host.engine.config import EngineConfig
 from host.engine.facade import Engine
 from host.engine.placement import AffinityIndex, Candidate, choose
-from host.engine.replica_rules import ReplicaTotals, disagreement, in_group_order, renamed_context
+from host.engine.replica_rules import ReplicaTotals, disagreement, in_group_order
 from host.engine.replica_start import start_engines
 from host.errors import ContextNotFound, ContextNotOwned, DriverFailed, EngineClosed, HostError
 from host.prefix_cache import page_keys
@@ -44,8 +45,7 @@ MAX_KEPT_PLACEMENTS = 4096
 
 @dataclass(slots=True)
 class _Context:
-    run_id: int
-    local_id: int = 0  # its id on the run's replica; 0 until the run is placed
+    run_id: int  # made on the run's replica once the run is placed (under the same id)
     is_fresh: bool = True  # no pass yet: its first one names a prompt for affinity
 
 
@@ -178,22 +178,18 @@ class ReplicatedEngine(ReplicaTotals):
             run = self._runs.setdefault(run_id, _Run())
             context_id = next(self._ids)
             if run.engine is not None:
-                with renamed_context(0, context_id):
-                    local_id = run.engine.create_context(run_id)
+                run.engine.create_context(run_id, context_id)
             else:
                 self._check_any_up()
-                local_id = 0
-            self._contexts[context_id] = _Context(run_id, local_id)
+            self._contexts[context_id] = _Context(run_id)
             run.contexts.add(context_id)
             return context_id
 
     def fork_context(self, run_id: int, context_id: int) -> int:
         with self._lock:
-            engine, local_id = self._bound(run_id, context_id, None)
-            with renamed_context(local_id, context_id):
-                child_local = engine.fork_context(run_id, local_id)
-            child = next(self._ids)
-            self._contexts[child] = _Context(run_id, child_local, self._contexts[context_id].is_fresh)
+            engine = self._bound(run_id, context_id, None)
+            child = engine.fork_context(run_id, context_id, next(self._ids))
+            self._contexts[child] = _Context(run_id, self._contexts[context_id].is_fresh)
             self._runs[run_id].contexts.add(child)
             return child
 
@@ -212,25 +208,22 @@ class ReplicatedEngine(ReplicaTotals):
 
     def truncate_context(self, run_id: int, context_id: int, length: int) -> None:
         with self._lock:
-            engine, local_id = self._bound(run_id, context_id, None)
-        with renamed_context(local_id, context_id):
-            engine.truncate_context(run_id, local_id, length)
+            engine = self._bound(run_id, context_id, None)
+        engine.truncate_context(run_id, context_id, length)
 
     def release_context(self, run_id: int, context_id: int) -> None:
         with self._lock:
-            ctx = self._owned_context(run_id, context_id)
+            self._owned_context(run_id, context_id)
             engine = self._runs[run_id].engine
             del self._contexts[context_id]
             self._runs[run_id].contexts.discard(context_id)
         if engine is not None:
-            with renamed_context(ctx.local_id, context_id):
-                engine.release_context(run_id, ctx.local_id)
+            engine.release_context(run_id, context_id)
 
     def release_slots(self, run_id: int, context_id: int, start: int, stop: int) -> int:
         with self._lock:
-            engine, local_id = self._bound(run_id, context_id, None)
-        with renamed_context(local_id, context_id):
-            return engine.release_slots(run_id, local_id, start, stop)
+            engine = self._bound(run_id, context_id, None)
+        return engine.release_slots(run_id, context_id, start, stop)
 
     def end_run(self, run_id: int) -> None:
         with self._lock:
@@ -260,31 +253,29 @@ class ReplicatedEngine(ReplicaTotals):
         self, run_id: int, context_id: int, request: PassRequest, may_wait: Callable[[], None] | None = None
     ) -> PassResult:
         with self._lock:
-            engine, local_id = self._bound(run_id, context_id, request)
-        with renamed_context(local_id, context_id):
-            return engine.forward(run_id, local_id, request, may_wait)
+            engine = self._bound(run_id, context_id, request)
+        return engine.forward(run_id, context_id, request, may_wait)
 
     def forward_group(
         self, run_id: int, passes: Sequence[tuple[int, PassRequest]], may_wait: Callable[[], None] | None = None
     ) -> list[PassResult | HostError]:
         """On the run's replica (every context of a run lives on one), as one group there."""
-        bound: list[tuple[int, int] | HostError] = []  # (local id, context id), or why not
+        refused: list[HostError | None] = []  # why a pass is not sent, or None
         engine: Engine | None = None
         with self._lock:
             for context_id, request in passes:
                 try:
-                    engine, local_id = self._bound(run_id, context_id, request)
-                    bound.append((local_id, context_id))
+                    engine = self._bound(run_id, context_id, request)
+                    refused.append(None)
                 except HostError as exc:
-                    bound.append(exc)
-        local = [(ids[0], request) for ids, (_, request) in zip(bound, passes, strict=True) if isinstance(ids, tuple)]
-        return in_group_order(bound, engine.forward_group(run_id, local, may_wait) if engine is not None else [])
+                    refused.append(exc)
+        sent = [p for p, why in zip(passes, refused, strict=True) if why is None]
+        return in_group_order(refused, engine.forward_group(run_id, sent, may_wait) if engine is not None else [])
 
     def generate(self, run_id: int, context_id: int, first: PassRequest, next_step: NextStep) -> None:
         with self._lock:
-            engine, local_id = self._bound(run_id, context_id, first)
-        with renamed_context(local_id, context_id):
-            engine.generate(run_id, local_id, first, next_step)
+            engine = self._bound(run_id, context_id, first)
+        engine.generate(run_id, context_id, first, next_step)
 
     def load_adapter(self, run_id: int, name: str) -> int:
         """Loaded on the run's replica (placing the run now if it is not placed yet)."""
@@ -309,15 +300,14 @@ class ReplicatedEngine(ReplicaTotals):
     def _call(self, run_id: int, context_id: int, verb: Callable[[Engine, int, int], int]) -> int:
         """A read of a context: an unplaced one is empty."""
         with self._lock:
-            ctx = self._owned_context(run_id, context_id)
+            self._owned_context(run_id, context_id)
             engine = self._runs[run_id].engine
         if engine is None:
             return 0
-        with renamed_context(ctx.local_id, context_id):
-            return verb(engine, run_id, ctx.local_id)
+        return verb(engine, run_id, context_id)
 
-    def _bound(self, run_id: int, context_id: int, request: PassRequest | None) -> tuple[Engine, int]:
-        """The context's engine and its id there, placing its run first if it is not placed (by
+    def _bound(self, run_id: int, context_id: int, request: PassRequest | None) -> Engine:
+        """The context's engine, placing its run first if it is not placed (by
         `request`'s prompt, when it is the first pass). Lock held."""
         ctx = self._owned_context(run_id, context_id)
         run = self._runs[run_id]
@@ -329,7 +319,7 @@ class ReplicatedEngine(ReplicaTotals):
             self._affinity[run.index].add(names)
         if request is not None:
             ctx.is_fresh = False
-        return run.engine, self._contexts[context_id].local_id
+        return run.engine
 
     def _place(self, run_id: int, run: _Run, names: Sequence[bytes] | None) -> None:
         """Choose the run's replica and make its contexts there; a replica that turns out to be
@@ -354,7 +344,7 @@ class ReplicatedEngine(ReplicaTotals):
                 if run.group is not None:
                     engine.set_run_group(run_id, run.group)
                 for context_id in sorted(run.contexts):
-                    self._contexts[context_id].local_id = engine.create_context(run_id)
+                    engine.create_context(run_id, context_id)
             except (DriverFailed, EngineClosed) as exc:
                 log.warning("replica %d is down (%s): placing run %d elsewhere", chosen.index, exc, run_id)
                 engine.end_run(run_id)

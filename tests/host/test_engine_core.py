@@ -188,6 +188,16 @@ def test_with_speculation_off_nothing_is_pre_fired() -> None:
     assert type(c) is EngineCore and c.speculation_stats()["speculation_hits"] == 0
 
 
+def test_a_context_may_be_made_with_an_id_chosen_above_once() -> None:
+    """Replicas choose context ids unique across them and hand them down."""
+    c = core()
+    assert c.create_context(RUN, 2) == 2
+    with pytest.raises(InvalidRequest, match="context id 2 is in use"):
+        c.create_context(RUN, 2)
+    assert c.create_context(RUN) == 1 and c.create_context(RUN) == 3  # the counter steps over 2
+    assert c.fork_context(RUN, 2, 9) == 9
+
+
 def _future() -> concurrent.futures.Future[PassResult]:
     return concurrent.futures.Future()
 

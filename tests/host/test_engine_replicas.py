@@ -85,7 +85,9 @@ def test_context_ids_are_unique_across_replicas_and_owned_by_their_run(pair: Rep
         fill(pair, a, ctx_b, [1])
     with pytest.raises(ContextNotFound, match="context 999999"):
         pair.context_length(a, 999999)
-    # The replica's own error, in the id the run knows (the replica's id for it differs).
+    # A replica is handed the ids the run knows: its own errors name them, nothing rewritten.
+    engine = pair.replicas()[replica(pair, a)]
+    assert engine is not None and engine.context_length(a, ctx_a) == 2
     with pytest.raises(InvalidRequest, match=f"cannot truncate context {ctx_a} of length 2 to 9"):
         pair.truncate_context(a, ctx_a, 9)
     pair.end_run(a)

@@ -62,7 +62,7 @@ def settle(core: EngineCore) -> None:
     core resolves them itself have no `take_handovers`)."""
     take = getattr(core, "take_handovers", None)
     if take is not None:
-        from host.passes import resolve
+        from host.engine.passes import resolve
 
         resolve(take())
 

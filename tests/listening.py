@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from host.kept_drivers import accepts
+from host.cli.kept_drivers import accepts
 
 
 def wait_until_listening(sock: Path, proc: subprocess.Popen[bytes], timeout_s: float, log: Path | None = None) -> None:

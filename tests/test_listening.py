@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from host.kept_drivers import accepts
+from host.cli.kept_drivers import accepts
 from tests.listening import wait_until_listening
 
 

@@ -73,7 +73,7 @@ def _apply_matchers(run: RunState, builder: PassBuilder) -> str | None:
 def validate(builder: PassBuilder) -> str | None:
     """Why `builder` cannot run as it is (the error the guest gets), or None. Only what the
     matchers need settled first: the engine checks the rest of the pass against the handshake
-    where it enters (host.pass_check: token and position ranges, rows, samplers, masks)."""
+    where it enters (host.engine.pass_check: token and position ranges, rows, samplers, masks)."""
     if builder.is_executed:
         return "this forward pass was already executed; create a new one"
     if not builder.tokens:

@@ -9,7 +9,7 @@ from bridge_schema.errors import ConfigError
 from bridge_schema.messages import MAX_DECODE_STEPS, Hello
 from host.driver_link import DriverSpec
 from host.errors import InvalidRequest
-from host.page_quota import PageQuota
+from host.engine.page_quota import PageQuota
 
 # How long one multi-step request may hold the device by default (`multi_step_budget_ms`): under
 # two frames of a 60 Hz screen, so a stream's tokens in bursts of it read as smoothly as one at a

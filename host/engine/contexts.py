@@ -1,7 +1,7 @@
-"""Every context's lifecycle in one place: the run that owns it, its KV pages (host.pages),
-prefix reuse (host.prefix; a null object when off), whoever must hear that its state changed
+"""Every context's lifecycle in one place: the run that owns it, its KV pages (host.engine.pages),
+prefix reuse (host.engine.prefix; a null object when off), whoever must hear that its state changed
 (speculation: the staged chain that assumed the old state goes, host.engine.speculation), and
-the runs' shares of the page pool (host.page_quota).
+the runs' shares of the page pool (host.engine.page_quota).
 
 Pure, like the other cores: the engine core calls it with the engine's lock held.
 """
@@ -13,11 +13,11 @@ from collections import Counter
 from collections.abc import Callable
 
 from host.errors import ContextLimitExceeded, ContextNotFound, ContextNotOwned, InvalidRequest, PageQuotaExceeded
-from host.page_quota import PageQuota
-from host.pages import PageCopy, PageTable
-from host.passes import Pass
-from host.prefix import NoPrefixReuse, PrefixReuse
-from host.scheduler import Scheduler
+from host.engine.page_quota import PageQuota
+from host.engine.pages import PageCopy, PageTable
+from host.engine.passes import Pass
+from host.engine.prefix import NoPrefixReuse, PrefixReuse
+from host.engine.scheduler import Scheduler
 
 
 class Contexts:

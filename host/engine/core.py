@@ -1,8 +1,8 @@
 """The engine core: every piece of engine state, built in one constructor from the
 configuration and the driver's handshake, changed only through a few verbs.
 
-Thread-free and clock-free, like the cores it composes (host.pages, host.scheduler,
-host.prefix): the thread-facing `Engine` facade and the loop (host.engine.loop) call it with
+Thread-free and clock-free, like the cores it composes (host.engine.pages, host.engine.scheduler,
+host.engine.prefix): the thread-facing `Engine` facade and the loop (host.engine.loop) call it with
 the engine's lock held. Its verbs:
 
 - the context verbs (`create_context`, `fork_context`, `truncate_context`, `release_context`,
@@ -26,14 +26,14 @@ from bridge_schema.messages import MULTI_STEP, Handshake
 from host.engine.config import EngineConfig
 from host.engine.contexts import Contexts
 from host.errors import DriverFailed, EngineClosed, HostError, InvalidRequest, RunEnded
-from host.pages import PageCopy, PageTable
-from host.pass_check import check_holes_masked, check_request
-from host.passes import Handover, Outcome, Pass, Waiter, resolve
-from host.prefix import NoPrefixReuse, PrefixReuse
-from host.prefix_cache import PrefixCache
-from host.scheduler import Batch, PassLimits, Scheduler
+from host.engine.pages import PageCopy, PageTable
+from host.engine.pass_check import check_holes_masked, check_request
+from host.engine.passes import Handover, Outcome, Pass, Waiter, resolve
+from host.engine.prefix import NoPrefixReuse, PrefixReuse
+from host.engine.prefix_cache import PrefixCache
+from host.engine.scheduler import Batch, PassLimits, Scheduler
 from host.services import ModelInfo, PassRequest, PassResult, Tokenizer
-from host.staging import NO_STATS
+from host.engine.staging import NO_STATS
 from host.tokenizer import tokenizer_from_handshake
 
 # Two passes in flight: the driver works on one while the next is built and sent.
@@ -248,7 +248,7 @@ class EngineCore:
 
     def take_handovers(self) -> list[Handover]:
         """The outcomes collected since the last call, for whoever releases the lock to give
-        out (`host.passes.resolve`) once it has."""
+        out (`host.engine.passes.resolve`) once it has."""
         handovers, self._handovers = self._handovers, []
         return handovers
 

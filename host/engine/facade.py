@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from bridge_schema.messages import Ack, Adapter, Handshake, Health, HealthReply
-from host.adapters import AdapterNameError, AdapterSlotsFull, AdapterTable, resolve
+from host.engine.adapters import AdapterNameError, AdapterSlotsFull, AdapterTable, resolve
 from host.engine.chain import Chain
 from host.engine.config import EngineConfig
 from host.engine.core import EngineCore
@@ -200,7 +200,7 @@ class Engine:
         """Adapters stay loaded on the driver once loaded (a cache shared by runs, at most
         `max_loaded_adapters`: the least recently used one no run holds is unloaded for a new
         one); `end_run` drops the run's right to use them. `name` is resolved inside the
-        adapter directory only (`host.adapters`)."""
+        adapter directory only (`host.engine.adapters`)."""
         try:
             path = resolve(self.config.adapter_dir, name)
         except AdapterNameError as exc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from host.passes import resolve
+from host.engine.passes import resolve
 
 if TYPE_CHECKING:
     from host.engine.core import EngineCore

@@ -29,8 +29,8 @@ from host.engine.core import EngineCore
 from host.engine.lock import EngineLock
 from host.engine.speculation import build_core
 from host.errors import DriverFailed, HostError
-from host.pages import copy_groups
-from host.scheduler import Batch
+from host.engine.pages import copy_groups
+from host.engine.scheduler import Batch
 
 log = logging.getLogger("host.engine")
 T = TypeVar("T")

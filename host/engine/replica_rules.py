@@ -41,49 +41,6 @@ def summed(dicts: Iterable[dict[str, int]]) -> dict[str, int]:
     return out
 
 
-class ReplicaTotals:
-    """The engine's statistics and page pool as the daemon reads them: sums over the replicas
-    up now (`_engines`, which the replicated engine gives)."""
-
-    def _engines(self) -> list[Engine]:
-        raise NotImplementedError
-
-    def speculation_stats(self) -> dict[str, int]:
-        return summed(engine.speculation_stats() for engine in self._engines())
-
-    def prefix_stats(self) -> dict[str, int]:
-        return summed(engine.prefix_stats() for engine in self._engines())
-
-    def timing_stats(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for engine in self._engines():
-            for key, value in engine.timing_stats().items():
-                out[key] = out.get(key, 0.0) + value
-        return out
-
-    def driver_health(self) -> dict[str, int | float | str]:
-        """The drivers' numeric counters summed (`DriverFailed` if a replica up does not answer)."""
-        out: dict[str, int | float | str] = {}
-        for engine in self._engines():
-            for key, value in engine.driver_health().items():
-                if isinstance(value, int | float):
-                    previous = out.get(key, 0)
-                    out[key] = (previous if isinstance(previous, int | float) else 0) + value
-        return out
-
-    @property
-    def num_pages(self) -> int:
-        return sum(engine.num_pages for engine in self._engines())
-
-    @property
-    def num_free_pages(self) -> int:
-        return sum(engine.num_free_pages for engine in self._engines())
-
-    @property
-    def num_available_pages(self) -> int:
-        return sum(engine.num_available_pages for engine in self._engines())
-
-
 def in_group_order(
     refused: Sequence[HostError | None], answers: Iterable[PassResult | HostError]
 ) -> list[PassResult | HostError]:

@@ -26,10 +26,10 @@ from bridge_schema.messages import Handshake
 from host.engine.config import EngineConfig
 from host.engine.facade import Engine
 from host.engine.placement import AffinityIndex, Candidate, choose
-from host.engine.replica_rules import ReplicaTotals, disagreement, in_group_order
+from host.engine.replica_rules import disagreement, in_group_order, summed
 from host.engine.replica_start import start_engines
 from host.errors import ContextNotFound, ContextNotOwned, DriverFailed, EngineClosed, HostError
-from host.prefix_cache import page_keys
+from host.engine.prefix_cache import page_keys
 from host.services import ModelInfo, NextStep, PassRequest, PassResult, Tokenizer
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ class _Run:
     group: str | None = None
 
 
-class ReplicatedEngine(ReplicaTotals):
+class ReplicatedEngine:
     """`ReplicatedEngine.start([EngineConfig(...), ...])` starts one engine per configuration
     (and closes them); `ReplicatedEngine(sources)` serves engines someone else starts and
     restarts (the daemon's supervisors)."""
@@ -170,6 +170,43 @@ class ReplicatedEngine(ReplicaTotals):
         with self._lock:
             live = self._live()
         return min((engine.max_decode_steps() for _, engine, _ in live), default=1)
+
+    # ------------------------------------------------------------------ totals over the replicas up
+
+    def speculation_stats(self) -> dict[str, int]:
+        return summed(engine.speculation_stats() for engine in self._engines())
+
+    def prefix_stats(self) -> dict[str, int]:
+        return summed(engine.prefix_stats() for engine in self._engines())
+
+    def timing_stats(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for engine in self._engines():
+            for key, value in engine.timing_stats().items():
+                out[key] = out.get(key, 0.0) + value
+        return out
+
+    def driver_health(self) -> dict[str, int | float | str]:
+        """The drivers' numeric counters summed (`DriverFailed` if a replica up does not answer)."""
+        out: dict[str, int | float | str] = {}
+        for engine in self._engines():
+            for key, value in engine.driver_health().items():
+                if isinstance(value, int | float):
+                    previous = out.get(key, 0)
+                    out[key] = (previous if isinstance(previous, int | float) else 0) + value
+        return out
+
+    @property
+    def num_pages(self) -> int:
+        return sum(engine.num_pages for engine in self._engines())
+
+    @property
+    def num_free_pages(self) -> int:
+        return sum(engine.num_free_pages for engine in self._engines())
+
+    @property
+    def num_available_pages(self) -> int:
+        return sum(engine.num_available_pages for engine in self._engines())
 
     # ------------------------------------------------------------------ contexts
 
@@ -359,7 +396,7 @@ class ReplicatedEngine(ReplicaTotals):
             return
 
     def _prompt_names(self, request: PassRequest) -> list[bytes]:
-        """The names of the full pages of a context's first pass (as host.prefix names them)."""
+        """The names of the full pages of a context's first pass (as host.engine.prefix names them)."""
         if self._first is None or not self._first.config.prefix_match_unit:
             return []  # prefix reuse off: no prompt is cached anywhere
         page_size = self._first.model.page_size

@@ -11,8 +11,8 @@
   their results and errors come back the way every pass's do; a context's fork, truncation,
   punch or release drops its chain (`Contexts.subscribe`).
 
-The decisions (what may be staged, what a staged pass may serve) are host.speculator's; the
-moving of passes and results is host.staging's.
+The decisions (what may be staged, what a staged pass may serve) are host.engine.speculator's; the
+moving of passes and results is host.engine.staging's.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import logging
 from bridge_schema.messages import DEFERRED_TOKENS, Handshake
 from host.engine.config import EngineConfig
 from host.engine.core import EngineCore
-from host.passes import Waiter
-from host.scheduler import Batch
+from host.engine.passes import Waiter
+from host.engine.scheduler import Batch
 from host.services import PassRequest, PassResult
-from host.staging import Staging
+from host.engine.staging import Staging
 
 _log = logging.getLogger("wafer.engine")
 

@@ -1,11 +1,11 @@
-"""`host.adapters`: names resolve only inside the adapter directory, and the table of loaded
+"""`host.engine.adapters`: names resolve only inside the adapter directory, and the table of loaded
 adapters is bounded, unloading the least recently used one no run holds."""
 
 from __future__ import annotations
 
 import pytest
 
-from host.adapters import AdapterNameError, AdapterSlotsFull, AdapterTable, resolve
+from host.engine.adapters import AdapterNameError, AdapterSlotsFull, AdapterTable, resolve
 
 
 def test_names_resolve_inside_the_directory() -> None:

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from host.attention_masks import drop_unattended_pages, from_intervals, true_intervals, window_rows
+from host.engine.attention_masks import drop_unattended_pages, from_intervals, true_intervals, window_rows
 
 
 def dense(row: list[int]) -> np.ndarray:

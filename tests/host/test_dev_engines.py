@@ -1,4 +1,4 @@
-"""`wafer dev`'s engines (host.dev_engines) on real dummy driver processes: a driver killed
+"""`wafer dev`'s engines (host.cli.dev_engines) on real dummy driver processes: a driver killed
 between runs is restarted before the next one, alone or as one replica of two; a lost kept
 driver is replaced by a fresh one; a driver that cannot come back leaves the others serving."""
 
@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from bridge_schema.batch import OutputSpec, Sampler
-from host.dev_engines import DevEngines
+from host.cli.dev_engines import DevEngines
 from host.engine import Engine, EngineConfig, ReplicatedEngine
 from host.services import PassRequest
 from tests.listening import wait_until_listening

@@ -1,4 +1,4 @@
-"""`wafer dev`'s watcher (host/dev_loop.py): which runs a sequence of edits starts. The whole
+"""`wafer dev`'s watcher (host/cli/dev_loop.py): which runs a sequence of edits starts. The whole
 command, with real builds, is tests/e2e/test_cli.py::test_dev_reruns_the_inferlet_after_each_change."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from host import dev_loop
+from host.cli import dev_loop
 
 
 def test_a_save_that_truncates_then_writes_starts_one_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,8 +14,8 @@ from host.engine import EngineConfig
 from host.engine.core import EngineCore
 from host.engine.speculation import build_core
 from host.errors import ContextLimitExceeded, DriverFailed, EngineClosed, InvalidRequest, PageQuotaExceeded
-from host.passes import resolve
-from host.scheduler import Batch
+from host.engine.passes import resolve
+from host.engine.scheduler import Batch
 from host.services import PassRequest, PassResult
 
 PAGE = 4

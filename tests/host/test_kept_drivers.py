@@ -1,4 +1,4 @@
-"""`host.kept_drivers`: a kept driver's folder, socket, log and record are the user's alone
+"""`host.cli.kept_drivers`: a kept driver's folder, socket, log and record are the user's alone
 whatever the umask, and a start interrupted while it waits for the driver leaves none behind."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from host import kept_drivers
+from host.cli import kept_drivers
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 HOST = Path(__file__).resolve().parents[2] / "host"
-MAX_MODULE_LINES = 400
+MAX_MODULE_LINES = 500  # STYLE.md: review a module at 400 lines, split it at 500
 
 
 def _modules() -> dict[Path, ast.Module]:

@@ -1,11 +1,11 @@
-"""`host.page_quota`: a run's share and its group's (an API key's) share of the page pool."""
+"""`host.engine.page_quota`: a run's share and its group's (an API key's) share of the page pool."""
 
 from __future__ import annotations
 
 import pytest
 
 from host.errors import InvalidRequest, PageQuotaExceeded
-from host.page_quota import PageQuota
+from host.engine.page_quota import PageQuota
 
 
 def test_a_run_and_a_group_each_have_a_share() -> None:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, MultipleResults, RuleBasedStateMachine, consumes, invariant, multiple, rule
 
 from host.errors import ContextNotFound, InvalidRequest, OutOfPages
-from host.pages import HOLE, PageCopy, PageTable, copy_groups
+from host.engine.pages import HOLE, PageCopy, PageTable, copy_groups
 
 
 def test_extend_allocates_whole_pages() -> None:

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bridge_schema.batch import OutputResult, OutputSpec, build_forward
-from host.pages import pages_for
-from host.passes import Pass
-from host.scheduler import Batch, PassLimits, Scheduler, trim_runs
+from host.engine.pages import pages_for
+from host.engine.passes import Pass
+from host.engine.scheduler import Batch, PassLimits, Scheduler, trim_runs
 
 PAGE = 4
 _tickets = itertools.count(1)

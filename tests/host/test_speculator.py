@@ -1,7 +1,7 @@
 """The speculator's one rule table: every feature that forbids staging also forbids serving,
 and each rule has a case that fails when the rule is removed.
 
-How each rule was checked: deleting any one `Rule(...)` line from `host.speculator.RULES` fails
+How each rule was checked: deleting any one `Rule(...)` line from `host.engine.speculator.RULES` fails
 `test_every_rule_has_a_feature_case` and that rule's case of
 `test_a_feature_that_forbids_staging_also_forbids_serving` (the request is then staged from and
 served); for the logit-mask, attention-mask and grammar rules also the named
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from bridge_schema.batch import OutputSpec, Sampler
 from bridge_schema.messages import Probe
-from host.speculator import (
+from host.engine.speculator import (
     RULES,
     RequestShape,
     Speculator,

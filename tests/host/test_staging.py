@@ -1,4 +1,4 @@
-"""host.staging, driven step by step (no threads, no driver): the next
+"""host.engine.staging, driven step by step (no threads, no driver): the next
 step is staged when the pass it follows is sent, its anchor filled in when that pass returns,
 and a chain at depth 2 grows back from its last entry whenever a request takes its first."""
 
@@ -9,11 +9,11 @@ import itertools
 import numpy as np
 
 from bridge_schema.batch import OutputResult, OutputSpec, Sampler
-from host.pages import PageTable
-from host.passes import Outcome, Pass, Waiter, resolve
-from host.scheduler import Batch, PassLimits, Scheduler
+from host.engine.pages import PageTable
+from host.engine.passes import Outcome, Pass, Waiter, resolve
+from host.engine.scheduler import Batch, PassLimits, Scheduler
 from host.services import PassResult
-from host.staging import StagedPass, Staging
+from host.engine.staging import StagedPass, Staging
 
 CTX, RUN, PAGE = 1, 1, 4
 SAMPLER = Sampler.greedy()

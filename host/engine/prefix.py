@@ -15,9 +15,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import numpy.typing as npt
 
-from host.pages import PageTable
-from host.passes import Pass
-from host.prefix_cache import ROOT, PrefixCache, page_key, page_keys
+from host.engine.pages import PageTable
+from host.engine.passes import Pass
+from host.engine.prefix_cache import ROOT, PrefixCache, page_key, page_keys
 
 _Ids = Sequence[int] | npt.NDArray[np.uint32]
 

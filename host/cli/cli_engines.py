@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Callable
 
 from bridge_schema.transport import DRIVER_BUSY
-from host import kept_drivers
+from host.cli import kept_drivers
 from host.driver_link import BUILTIN_DRIVERS
 from host.driver_process import split_driver
 from host.engine import Engine, EngineConfig, ReplicatedEngine

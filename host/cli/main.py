@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from host import dev_loop
+from host.cli import dev_loop
 from host.build import BuildError, build, resolve_inferlet, rewrite_guest_paths, write_bindings
 from host.daemon.cli import add_serve_command
 from host.engine.config import MULTI_STEP_BUDGET_MS
@@ -22,7 +22,7 @@ from host.sandbox import BufferedRunIO, RunOutcome, RunStatus, Sandbox, SandboxC
 from host.sandbox.config import MIB, default_cache_dir
 
 if TYPE_CHECKING:
-    from host.dev_engines import DevEngines
+    from host.cli.dev_engines import DevEngines
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -107,7 +107,7 @@ def _report(outcome: RunOutcome, source_dir: Path | None) -> int:
 
 
 def cmd_run(ns: argparse.Namespace) -> int:
-    from host.cli_engines import start_engine  # the engine, which `wafer build` does not need
+    from host.cli.cli_engines import start_engine  # the engine, which `wafer build` does not need
 
     try:
         wasm_path, source_dir = _component_path(ns)
@@ -167,8 +167,8 @@ def cmd_dev(ns: argparse.Namespace) -> int:
                 continue
         _report(handle.wait(), folder)
 
-    from host.cli_engines import engine_configs, fresh_configs  # the engine: `wafer build` needs none
-    from host.dev_engines import DevEngines
+    from host.cli.cli_engines import engine_configs, fresh_configs  # the engine: `wafer build` needs none
+    from host.cli.dev_engines import DevEngines
 
     try:
         configs = engine_configs(ns, _progress)
@@ -187,7 +187,7 @@ def cmd_dev(ns: argparse.Namespace) -> int:
 
 
 def cmd_driver(ns: argparse.Namespace) -> int:
-    from host import kept_drivers
+    from host.cli import kept_drivers
     from host.driver_link import BUILTIN_DRIVERS
 
     try:

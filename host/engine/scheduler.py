@@ -15,9 +15,9 @@ from dataclasses import dataclass, replace
 from itertools import zip_longest
 
 from bridge_schema.batch import OutputResult, OutputSpec, RequestSpec, logit_mask_words
-from host.attention_masks import drop_unattended_pages
-from host.pages import HOLE, pages_for
-from host.passes import Pass
+from host.engine.attention_masks import drop_unattended_pages
+from host.engine.pages import HOLE, pages_for
+from host.engine.passes import Pass
 
 _UNLIMITED = 1 << 62
 

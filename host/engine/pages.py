@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from host.errors import ContextNotFound, InvalidRequest, OutOfPages
-from host.prefix_cache import PrefixCache
+from host.engine.prefix_cache import PrefixCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +62,7 @@ class PageTable:
         # that grows a context: summing over every context there made N creations cost N^2).
         # A page shared by k contexts counts k times.
         self._held: Counter[int] = Counter()
-        # Cached full pages hold one reference of their own (see host.prefix_cache).
+        # Cached full pages hold one reference of their own (see host.engine.prefix_cache).
         self.prefix_cache = prefix_cache
 
     # ------------------------------------------------------------------ queries

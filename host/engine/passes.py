@@ -1,6 +1,6 @@
 """`Pass`: one inferlet forward pass, the one shape it has on the host from the check where it
-enters (host.pass_check) to the driver pass it goes out in (host.scheduler), staged ones included
-(host.staging). Its speculation features (`shape`) are a property of it, not another copy.
+enters (host.engine.pass_check) to the driver pass it goes out in (host.engine.scheduler), staged ones included
+(host.engine.staging). Its speculation features (`shape`) are a property of it, not another copy.
 
 Pure data: no pages, no clock, no threads.
 """
@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from bridge_schema.batch import OutputResult, OutputSpec
 from host.services import PassResult
-from host.speculator import RequestShape
+from host.engine.speculator import RequestShape
 
 
 class Waiter(Protocol):
@@ -86,7 +86,7 @@ class Pass:
 
     @property
     def shape(self) -> RequestShape:
-        """The features the speculator judges a request by (host.speculator.RULES)."""
+        """The features the speculator judges a request by (host.engine.speculator.RULES)."""
         positions = self.positions
         contiguous = len(positions) < 2 or bool((np.diff(positions.astype(np.int64)) == 1).all())
         return RequestShape(

@@ -5,7 +5,7 @@ It sits beside the engine core, not inside it (host.engine.speculation wires the
 passes go into the core through `PassSink.enqueue` like any other, and their results come back
 the way every pass's result does, through the waiter they were enqueued with (the `StagedPass`
 itself). Every method is called with the engine's lock held. The decisions (what may be staged, what a
-staged entry may serve) belong to `host.speculator`; this module only moves passes and results.
+staged entry may serve) belong to `host.engine.speculator`; this module only moves passes and results.
 
 A context's next step is staged as soon as the pass it follows is sent (not when it returns),
 with its input token left to the driver (the "deferred_tokens" capability, which `drivers.serve`
@@ -27,10 +27,10 @@ from typing import ClassVar, Protocol
 import numpy as np
 
 from bridge_schema.batch import OutputSpec
-from host.pages import PageTable
-from host.passes import Outcome, Pass, Waiter
+from host.engine.pages import PageTable
+from host.engine.passes import Outcome, Pass, Waiter
 from host.services import PassResult
-from host.speculator import RequestShape, Speculator, StagedEntry
+from host.engine.speculator import RequestShape, Speculator, StagedEntry
 
 
 class PassSink(Protocol):

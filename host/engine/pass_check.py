@@ -13,10 +13,10 @@ import numpy.typing as npt
 
 from bridge_schema.batch import OutputSpec, logit_mask_words
 from bridge_schema.messages import MAX_DECODE_STEPS, Handshake, Probe, SamplerKind
-from host.attention_masks import attends_within, window_rows
+from host.engine.attention_masks import attends_within, window_rows
 from host.errors import InvalidRequest
-from host.pages import HOLE
-from host.passes import Pass
+from host.engine.pages import HOLE
+from host.engine.passes import Pass
 from host.services import PassRequest
 
 

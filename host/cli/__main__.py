@@ -2,6 +2,6 @@
 
 import sys
 
-from host.cli.main import main
+from host.cli import main
 
 sys.exit(main())

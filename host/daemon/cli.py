@@ -93,7 +93,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def add_serve_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register `wafer serve` beside the other subcommands (host/cli/main.py calls this)."""
+    """Register `wafer serve` beside the other subcommands (host/cli/commands.py calls this)."""
     parser = subparsers.add_parser("serve", help="run the daemon: OpenAI-compatible API and inferlet runs over HTTP")
     add_serve_arguments(parser)
     parser.set_defaults(func=cmd_serve)

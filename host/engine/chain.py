@@ -20,9 +20,7 @@ from host.services import NextStep, PassRequest, PassResult
 class Chain:
     """The waiter of each step of one generation in turn."""
 
-    def __init__(
-        self, core: EngineCore, lock: EngineLock, run_id: int, context_id: int, next_step: NextStep
-    ) -> None:
+    def __init__(self, core: EngineCore, lock: EngineLock, run_id: int, context_id: int, next_step: NextStep) -> None:
         self._core = core
         self._lock = lock
         self._run_id = run_id

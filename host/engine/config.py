@@ -8,8 +8,8 @@ from bridge_schema.config_rules import check_prefix_match_unit
 from bridge_schema.errors import ConfigError
 from bridge_schema.messages import MAX_DECODE_STEPS, Hello
 from host.driver_link import DriverSpec
-from host.errors import InvalidRequest
 from host.engine.page_quota import PageQuota
+from host.errors import InvalidRequest
 
 # How long one multi-step request may hold the device by default (`multi_step_budget_ms`): under
 # two frames of a 60 Hz screen, so a stream's tokens in bursts of it read as smoothly as one at a

@@ -12,12 +12,12 @@ import itertools
 from collections import Counter
 from collections.abc import Callable
 
-from host.errors import ContextLimitExceeded, ContextNotFound, ContextNotOwned, InvalidRequest, PageQuotaExceeded
 from host.engine.page_quota import PageQuota
 from host.engine.pages import PageCopy, PageTable
 from host.engine.passes import Pass
 from host.engine.prefix import NoPrefixReuse, PrefixReuse
 from host.engine.scheduler import Scheduler
+from host.errors import ContextLimitExceeded, ContextNotFound, ContextNotOwned, InvalidRequest, PageQuotaExceeded
 
 
 class Contexts:

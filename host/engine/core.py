@@ -25,15 +25,15 @@ from bridge_schema.batch import OutputResult
 from bridge_schema.messages import MULTI_STEP, Handshake
 from host.engine.config import EngineConfig
 from host.engine.contexts import Contexts
-from host.errors import DriverFailed, EngineClosed, HostError, InvalidRequest, RunEnded
 from host.engine.pages import PageCopy, PageTable
 from host.engine.pass_check import check_holes_masked, check_request
 from host.engine.passes import Handover, Outcome, Pass, Waiter, resolve
 from host.engine.prefix import NoPrefixReuse, PrefixReuse
 from host.engine.prefix_cache import PrefixCache
 from host.engine.scheduler import Batch, PassLimits, Scheduler
-from host.services import ModelInfo, PassRequest, PassResult, Tokenizer
 from host.engine.staging import NO_STATS
+from host.errors import DriverFailed, EngineClosed, HostError, InvalidRequest, RunEnded
+from host.services import ModelInfo, PassRequest, PassResult, Tokenizer
 from host.tokenizer import tokenizer_from_handshake
 
 # Two passes in flight: the driver works on one while the next is built and sent.

@@ -27,10 +27,10 @@ from host.driver_link import DriverLink, open_link
 from host.engine.config import EngineConfig
 from host.engine.core import EngineCore
 from host.engine.lock import EngineLock
-from host.engine.speculation import build_core
-from host.errors import DriverFailed, HostError
 from host.engine.pages import copy_groups
 from host.engine.scheduler import Batch
+from host.engine.speculation import build_core
+from host.errors import DriverFailed, HostError
 
 log = logging.getLogger("host.engine")
 T = TypeVar("T")

@@ -12,8 +12,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from host.errors import ContextNotFound, InvalidRequest, OutOfPages
 from host.engine.prefix_cache import PrefixCache
+from host.errors import ContextNotFound, InvalidRequest, OutOfPages
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,9 +14,9 @@ import numpy.typing as npt
 from bridge_schema.batch import OutputSpec, logit_mask_words
 from bridge_schema.messages import MAX_DECODE_STEPS, Handshake, Probe, SamplerKind
 from host.engine.attention_masks import attends_within, window_rows
-from host.errors import InvalidRequest
 from host.engine.pages import HOLE
 from host.engine.passes import Pass
+from host.errors import InvalidRequest
 from host.services import PassRequest
 
 

@@ -15,8 +15,8 @@ import numpy as np
 import numpy.typing as npt
 
 from bridge_schema.batch import OutputResult, OutputSpec
-from host.services import PassResult
 from host.engine.speculator import RequestShape
+from host.services import PassResult
 
 
 class Waiter(Protocol):

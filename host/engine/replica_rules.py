@@ -11,7 +11,6 @@ from bridge_schema.messages import Handshake
 from host.errors import HostError
 
 if TYPE_CHECKING:
-    from host.engine.facade import Engine
     from host.services import PassResult
 
 _MUST_EQUAL = ("model_name", "vocab_size", "page_size", "tokenizer_kind", "tokenizer_data", "chat_template")

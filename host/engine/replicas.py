@@ -26,10 +26,10 @@ from bridge_schema.messages import Handshake
 from host.engine.config import EngineConfig
 from host.engine.facade import Engine
 from host.engine.placement import AffinityIndex, Candidate, choose
+from host.engine.prefix_cache import page_keys
 from host.engine.replica_rules import disagreement, in_group_order, summed
 from host.engine.replica_start import start_engines
 from host.errors import ContextNotFound, ContextNotOwned, DriverFailed, EngineClosed, HostError
-from host.engine.prefix_cache import page_keys
 from host.services import ModelInfo, NextStep, PassRequest, PassResult, Tokenizer
 
 if TYPE_CHECKING:

@@ -24,8 +24,8 @@ from host.engine.config import EngineConfig
 from host.engine.core import EngineCore
 from host.engine.passes import Waiter
 from host.engine.scheduler import Batch
-from host.services import PassRequest, PassResult
 from host.engine.staging import Staging
+from host.services import PassRequest, PassResult
 
 _log = logging.getLogger("wafer.engine")
 

@@ -29,8 +29,8 @@ import numpy as np
 from bridge_schema.batch import OutputSpec
 from host.engine.pages import PageTable
 from host.engine.passes import Outcome, Pass, Waiter
-from host.services import PassResult
 from host.engine.speculator import RequestShape, Speculator, StagedEntry
+from host.services import PassResult
 
 
 class PassSink(Protocol):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from host.cli.main import EXIT_FAILED, EXIT_OK, main
+from host.cli.commands import EXIT_FAILED, EXIT_OK, main
 
 
 def _write_inferlet(root: Path, source: str) -> Path:

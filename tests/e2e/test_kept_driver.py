@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from host.cli import kept_drivers
 from host.build import build
-from host.cli.main import EXIT_FAILED, EXIT_OK, main
+from host.cli import kept_drivers
+from host.cli.commands import EXIT_FAILED, EXIT_OK, main
 from host.engine import Engine, EngineConfig
 from host.errors import DriverFailed
 from host.sandbox import Sandbox
@@ -87,8 +87,8 @@ def test_a_driver_that_cannot_start_says_why(cache: Path, capsys: pytest.Capture
 def test_dev_engines_fall_back_to_a_fresh_driver_of_the_kept_kind(cache: Path) -> None:
     """`wafer dev`'s options on a kept dummy driver: its configuration names the kept driver's
     address, and the fallback a fresh built-in dummy driver with the run's own arguments."""
-    from host.cli.main import build_parser
     from host.cli.cli_engines import engine_configs, fresh_configs
+    from host.cli.commands import build_parser
 
     parser, _ = build_parser()
     argv = ["--cache-dir", str(cache), "dev", "hello", "--driver-arg=--num-pages", "--driver-arg=9"]

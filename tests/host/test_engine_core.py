@@ -12,10 +12,10 @@ from bridge_schema.batch import OutputResult, OutputSpec, Sampler
 from bridge_schema.messages import DEFERRED_TOKENS, Handshake
 from host.engine import EngineConfig
 from host.engine.core import EngineCore
-from host.engine.speculation import build_core
-from host.errors import ContextLimitExceeded, DriverFailed, EngineClosed, InvalidRequest, PageQuotaExceeded
 from host.engine.passes import resolve
 from host.engine.scheduler import Batch
+from host.engine.speculation import build_core
+from host.errors import ContextLimitExceeded, DriverFailed, EngineClosed, InvalidRequest, PageQuotaExceeded
 from host.services import PassRequest, PassResult
 
 PAGE = 4

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from host.errors import InvalidRequest, PageQuotaExceeded
 from host.engine.page_quota import PageQuota
+from host.errors import InvalidRequest, PageQuotaExceeded
 
 
 def test_a_run_and_a_group_each_have_a_share() -> None:

@@ -14,8 +14,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, MultipleResults, RuleBasedStateMachine, consumes, invariant, multiple, rule
 
-from host.errors import ContextNotFound, InvalidRequest, OutOfPages
 from host.engine.pages import HOLE, PageCopy, PageTable, copy_groups
+from host.errors import ContextNotFound, InvalidRequest, OutOfPages
 
 
 def test_extend_allocates_whole_pages() -> None:

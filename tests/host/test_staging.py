@@ -12,8 +12,8 @@ from bridge_schema.batch import OutputResult, OutputSpec, Sampler
 from host.engine.pages import PageTable
 from host.engine.passes import Outcome, Pass, Waiter, resolve
 from host.engine.scheduler import Batch, PassLimits, Scheduler
-from host.services import PassResult
 from host.engine.staging import StagedPass, Staging
+from host.services import PassResult
 
 CTX, RUN, PAGE = 1, 1, 4
 SAMPLER = Sampler.greedy()

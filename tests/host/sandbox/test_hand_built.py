@@ -129,7 +129,7 @@ def test_core_instances_are_bounded(sandbox: Sandbox, services: TableServices, t
 # test process, gigabytes once models are loaded), recorded when the child execs.
 _WAFER_WITH_PEAK = """
 import atexit, sys
-from host.cli.main import main
+from host.cli.commands import main
 
 def peak():
     for line in open("/proc/self/status"):

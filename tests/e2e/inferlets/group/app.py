@@ -69,8 +69,6 @@ def empty(args: list[str]) -> None:
     send(json.dumps(_inf.execute_all([])))
 
 
-
-
 def agree_random(args: list[str]) -> None:
     """decode-all with a seeded sampler per context draws what each context draws alone."""
     samplers = [Random(0.9, seed=s) for s in (1, 2, 3)]

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from host.cli import dev_loop
 from host.build import BuildError, build, resolve_inferlet, rewrite_guest_paths, write_bindings
+from host.cli import dev_loop
 from host.daemon.cli import add_serve_command
 from host.engine.config import MULTI_STEP_BUDGET_MS
 from host.errors import HostError

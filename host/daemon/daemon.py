@@ -13,7 +13,7 @@ from host.build import BuildError, build
 from host.daemon.config import DaemonConfig
 from host.daemon.errors import DaemonError
 from host.daemon.inferlet_store import InferletStore
-from host.daemon.metrics import Counter, Histogram, LabelValues, Registry, SampledFamily
+from host.daemon.metrics import TOKEN_BUCKETS_S, LabelValues, Registry, SampledFamily
 from host.daemon.replica_set import AnyEngine, ReplicaSet
 from host.daemon.runs import RunRegistry
 from host.daemon.supervisor import DriverState
@@ -35,17 +35,32 @@ class DaemonStartError(DaemonError):
 class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
-        self.metrics = Registry()
-        self.latency = Histogram(
+        self.metrics = m = Registry()
+        self.latency = m.histogram(
             "wafer_http_request_duration_seconds",
             "HTTP request latency, until the last byte",
             ("method", "route", "status"),
         )
-        self.first_token = Histogram(
-            "wafer_time_to_first_token_seconds", "Time from request to the first streamed token", ("endpoint",)
+        # OpenAI requests, named as vLLM names them (docs/operating.md, "Metrics").
+        endpoint = ("endpoint",)
+        self.first_token = m.histogram(
+            "wafer_time_to_first_token_seconds", "Time from request to its first generated token", endpoint
         )
-        self.tokens = Counter("wafer_tokens_total", "Tokens served by the OpenAI endpoints", ("endpoint", "kind"))
-        self.requests = Counter("wafer_openai_requests_total", "OpenAI requests by outcome", ("endpoint", "outcome"))
+        self.inter_token = m.histogram(
+            "wafer_inter_token_latency_seconds", "Time between generated tokens", endpoint, TOKEN_BUCKETS_S
+        )
+        self.e2e = m.histogram("wafer_e2e_request_latency_seconds", "Time from request to its last token", endpoint)
+        self.queue_time = m.histogram(
+            "wafer_request_queue_time_seconds",
+            "Time from request until its run started (waiting for a driver, preparing the prompt)",
+            endpoint,
+        )
+        self.waiting = m.gauge("wafer_requests_waiting", "OpenAI requests whose run has not started yet")
+        self.prompt_tokens = m.counter("wafer_prompt_tokens_total", "Prompt tokens of finished requests", endpoint)
+        self.generation_tokens = m.counter(
+            "wafer_generation_tokens_total", "Tokens generated for finished requests", endpoint
+        )
+        self.requests = m.counter("wafer_openai_requests_total", "OpenAI requests by outcome", ("endpoint", "outcome"))
         self.sandbox: Sandbox | None = None
         self.supervisor = ReplicaSet(config)  # one supervisor per driver replica
         self._registry: RunRegistry | None = None
@@ -121,10 +136,26 @@ class Daemon:
 
     def _register_metrics(self) -> None:
         m = self.metrics
-        m.add(self.latency)
-        m.add(self.first_token)
-        m.add(self.tokens)
-        m.add(self.requests)
+        m.add(SampledFamily("wafer_requests_running", "Runs running now (chat and inferlet)", "gauge", (), self._busy))
+        m.add(SampledFamily("wafer_kv_cache_usage_ratio", "KV pages in use of the pool", "gauge", (), self._kv_usage))
+        m.add(
+            SampledFamily(
+                "wafer_prefix_cache_queries_total",
+                "Prompt tokens looked up in the prefix cache",
+                "counter",
+                (),
+                lambda: self._prefix_stat("tokens_queried"),
+            )
+        )
+        m.add(
+            SampledFamily(
+                "wafer_prefix_cache_hits_total",
+                "Prompt tokens found in the prefix cache (not computed again)",
+                "counter",
+                (),
+                lambda: self._prefix_stat("tokens_reused"),
+            )
+        )
         m.add(SampledFamily("wafer_driver_up", "1 when a driver (any replica) is ready", "gauge", (), self._driver_up))
         m.add(SampledFamily("wafer_driver_restarts_total", "Driver restarts", "counter", (), self._restarts))
         m.add(SampledFamily("wafer_runs", "Runs now running", "gauge", ("kind",), self._running))
@@ -274,6 +305,20 @@ class Daemon:
             outcome, _, reason = name.partition("_")
             out[(outcome, reason)] = float(value)
         return out
+
+    def _busy(self) -> Mapping[LabelValues, float]:
+        return {(): sum(self._running().values())}
+
+    def _kv_usage(self) -> Mapping[LabelValues, float]:
+        engine = self.live_engine()
+        if engine is None or not engine.num_pages:
+            return {}
+        return {(): 1.0 - engine.num_available_pages / engine.num_pages}
+
+    def _prefix_stat(self, name: str) -> Mapping[LabelValues, float]:
+        engine = self.live_engine()
+        value = engine.prefix_stats().get(f"prefix_{name}") if engine is not None else None
+        return {(): float(value)} if value is not None else {}
 
     def _prefix(self) -> Mapping[LabelValues, float]:
         engine = self.live_engine()

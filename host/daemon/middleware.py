@@ -14,10 +14,11 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from prometheus_client import Histogram
+
 from host.daemon.config import DaemonConfig
 from host.daemon.errors import ApiError, Forbidden, PayloadTooLarge, Unauthorized
 from host.daemon.logs import request_id_var
-from host.daemon.metrics import Histogram
 
 log = logging.getLogger("wafer.daemon.http")
 
@@ -88,7 +89,7 @@ class EdgeMiddleware:
             elapsed = time.monotonic() - started
             route = scope.get("route")
             route_path = getattr(route, "path", "unmatched")
-            self._latency.observe(elapsed, scope.get("method", ""), route_path, str(status[0]))
+            self._latency.labels(scope.get("method", ""), route_path, str(status[0])).observe(elapsed)
             log.info(
                 "%s %s %d %.1f ms",
                 scope.get("method"),

@@ -103,41 +103,74 @@ async def _serve(
         job = prepare(req, engine.model, engine.tokenizer, engine.grammars)
         return [json.dumps(job.args)], (served, job, engine.tokenizer)
 
-    record, (served, job, tokenizer), early = await _start(daemon, prepared, key_id_of(request))
+    record, (served, job, tokenizer), early = await _start(daemon, prepared, key_id_of(request), kind, started)
     renderer = Renderer(kind, job, served, tokenizer, request_id_of(request))
     early_error = _run_error(record) if early[-1].kind == "end" else None
     if early_error is not None:
         # It failed before generating anything: a plain error response, even for a stream.
-        daemon.requests.inc(1, kind, "failed")
+        daemon.requests.labels(kind, "failed").inc()
         raise early_error
+    if early[-1].kind != "end":
+        daemon.first_token.labels(kind).observe(time.monotonic() - started)
+    clock = _TokenClock(daemon, kind)
     if job.stream:
-        events = _stream(daemon, kind, record, renderer, started, early)
+        events = _stream(daemon, kind, record, renderer, started, early, clock)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     try:
-        async for updates in _update_batches(record, early):
+        async for updates, pieces in _update_batches(record, early):
             for update in updates:
                 renderer.apply(update)
+            clock.tick(pieces)
     except asyncio.CancelledError:
         record.cancel()
         raise
     error = _run_error(record)
     if error is not None:
-        daemon.requests.inc(1, kind, "failed")
+        daemon.requests.labels(kind, "failed").inc()
         raise error
-    _count(daemon, kind, renderer)
+    _count(daemon, kind, renderer, started)
     return JSONResponse(renderer.response())
 
 
+class _TokenClock:
+    """The inter-token latency of one request, from the generated pieces (a decode step's text)
+    as they reach it: pieces that arrive together share the time since the last arrival (a
+    client that fell behind reads several at once). The first piece is the first token's."""
+
+    def __init__(self, daemon: Daemon, kind: str) -> None:
+        self._histogram = daemon.inter_token.labels(kind)
+        self._last: float | None = None
+
+    def tick(self, pieces: int) -> None:
+        if not pieces:
+            return
+        now = time.monotonic()
+        if self._last is not None:
+            for _ in range(pieces):
+                self._histogram.observe((now - self._last) / pieces)
+        elif pieces > 1:
+            for _ in range(pieces - 1):
+                self._histogram.observe(0.0)  # read together with the first
+        self._last = now
+
+
 async def _start(
-    daemon: Daemon, prepared: Callable[[AnyEngine], tuple[list[str], Prepared]], owner: str
+    daemon: Daemon,
+    prepared: Callable[[AnyEngine], tuple[list[str], Prepared]],
+    owner: str,
+    kind: str,
+    started: float,
 ) -> tuple[RunRecord, Prepared, list[RunEvent]]:
     """Prepare and start the chat run, and read it up to its first generated tokens (or its end).
     A run whose driver died before it generated anything is prepared and started once more, on
     the restarted driver: nothing of it reached the client, so the request need not fail."""
     for attempt in (1, 2):
-        record, job = await daemon.runs.start(
-            daemon.chat_component, CHAT_INFERLET, "chat", ENGINE_WAIT_S, prepared, owner=owner
-        )
+        with daemon.waiting.track_inprogress():
+            record, job = await daemon.runs.start(
+                daemon.chat_component, CHAT_INFERLET, "chat", ENGINE_WAIT_S, prepared, owner=owner
+            )
+        if attempt == 1:
+            daemon.queue_time.labels(kind).observe(time.monotonic() - started)
         early: list[RunEvent] = []
         try:
             async for event in record.log.follow():
@@ -154,60 +187,68 @@ async def _start(
     raise AssertionError("unreachable: the second attempt returns")
 
 
-async def _update_batches(record: RunRecord, early: list[RunEvent]) -> AsyncIterator[list[dict[str, Any]]]:
+async def _update_batches(record: RunRecord, early: list[RunEvent]) -> AsyncIterator[tuple[list[dict[str, Any]], int]]:
     """The chat run's renderer updates, in order, in the batches the run log handed over: its
     messages (README of inferlets/chat), and its output stream, which is the text of choice 0 when
     the host runs the generation loop. Output chunks that arrived together (the client fell
-    behind) become one update, and so one chunk."""
+    behind) become one update, and so one chunk. With each batch, how many generated pieces (a
+    decode step's text of one choice) it holds."""
     yield _batch_updates(early)
     if early[-1].kind != "end":
         async for batch in record.log.follow_batches(early[-1].seq + 1):
             yield _batch_updates(batch)
 
 
-def _batch_updates(batch: list[RunEvent]) -> list[dict[str, Any]]:
+def _batch_updates(batch: list[RunEvent]) -> tuple[list[dict[str, Any]], int]:
     updates: list[dict[str, Any]] = []
     text: list[str] = []
+    pieces = 0
     for event in batch:
         if event.kind == "output":
             text.append(event.data)
+            pieces += 1
             continue
         if text:
             updates.append({"deltas": [[0, "".join(text), None]]})
             text = []
         if event.kind == "message":
-            updates.append(json.loads(event.data))
+            update = json.loads(event.data)
+            pieces += sum(1 for delta in update.get("deltas", ()) if delta[1])
+            updates.append(update)
     if text:
         updates.append({"deltas": [[0, "".join(text), None]]})
-    return updates
+    return updates, pieces
 
 
 async def _stream(
-    daemon: Daemon, kind: str, record: RunRecord, renderer: Renderer, started: float, early: list[RunEvent]
+    daemon: Daemon,
+    kind: str,
+    record: RunRecord,
+    renderer: Renderer,
+    started: float,
+    early: list[RunEvent],
+    clock: _TokenClock,
 ) -> AsyncIterator[bytes]:
     """The SSE body: what one batch of the run log produced goes out as one body message (one
     write, one wakeup of the client), not one per chunk."""
-    is_first = True
     templates: dict[int, SseTemplate] = {}
     opening = [sse(chunk) for chunk in renderer.first_chunks()]
     try:
-        async for updates in _update_batches(record, early):
+        async for updates, pieces in _update_batches(record, early):
             frames = [frame for update in updates for frame in _frames(renderer, renderer.apply(update), templates)]
-            if is_first and frames:
-                daemon.first_token.observe(time.monotonic() - started, kind)
-                is_first = False
+            clock.tick(pieces)
             if opening or frames:
                 yield b"".join([*opening, *frames])
                 opening = []
         error = _run_error(record)
         if error is not None:
             # The status line is long gone: the error travels as an SSE event in the envelope.
-            daemon.requests.inc(1, kind, "failed")
+            daemon.requests.labels(kind, "failed").inc()
             log.warning("stream failed: %s", error.message)
             yield sse(error.envelope())
             return
         usage = [sse(renderer.usage_chunk())] if renderer.job.include_usage else []
-        _count(daemon, kind, renderer)
+        _count(daemon, kind, renderer, started)
         yield b"".join([*usage, SSE_DONE])
     finally:
         if not record.done.is_set():
@@ -241,7 +282,8 @@ def _run_error(record: RunRecord) -> ApiError | None:
     return GenerationFailed(f"generation failed in run {record.run_id}: {record.error_message()}")
 
 
-def _count(daemon: Daemon, kind: str, renderer: Renderer) -> None:
-    daemon.requests.inc(1, kind, "ok")
-    daemon.tokens.inc(renderer.prompt_tokens, kind, "prompt")
-    daemon.tokens.inc(renderer.completion_tokens, kind, "completion")
+def _count(daemon: Daemon, kind: str, renderer: Renderer, started: float) -> None:
+    daemon.requests.labels(kind, "ok").inc()
+    daemon.prompt_tokens.labels(kind).inc(renderer.prompt_tokens)
+    daemon.generation_tokens.labels(kind).inc(renderer.completion_tokens)
+    daemon.e2e.labels(kind).observe(time.monotonic() - started)

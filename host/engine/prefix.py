@@ -70,6 +70,7 @@ class PrefixReuse:
             return 0, checked
         first_output = checked.outputs[0].row if checked.outputs else num - 1
         max_pages = min(first_output, num - 1) // ps
+        self.cache.tokens_queried += max_pages * ps
         tokens, positions = checked.tokens.tolist(), checked.positions.tolist()
         keys = page_keys(
             tokens[: max_pages * ps], positions[: max_pages * ps], [checked.adapter_id] * (max_pages * ps), ps
@@ -119,6 +120,7 @@ class PrefixReuse:
         return {
             "prefix_hits": c.hits,
             "prefix_tokens_reused": c.tokens_reused,
+            "prefix_tokens_queried": c.tokens_queried,
             "prefix_evictions": c.evictions,
             "prefix_cached_pages": len(c),
         }

@@ -43,6 +43,7 @@ class PrefixCache:
     _recency: OrderedDict[int, None] = field(default_factory=OrderedDict)  # least recent first
     hits: int = 0
     tokens_reused: int = 0
+    tokens_queried: int = 0  # prompt tokens in whole pages looked up
     evictions: int = 0
 
     def __len__(self) -> int:

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
+from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
 from host.daemon.config import load_config
-from host.daemon.metrics import Histogram
+from host.daemon.metrics import Registry
 from host.daemon.middleware import EdgeMiddleware
 from host.engine import Engine
 from tests.host.daemon.conftest import Server, _free_port, serving
@@ -43,14 +45,36 @@ def test_metrics(server: Server) -> None:
         "wafer_passes_total",
         "wafer_pass_tokens_total",
         "wafer_batch_size_mean",
-        "wafer_tokens_total",
         "wafer_speculation_total",
         "wafer_runs_ended_total",
-        "wafer_driver_up 1",
+        "wafer_driver_up 1.0",
         'wafer_openai_requests_total{endpoint="chat",outcome="ok"}',
+        # vLLM's set, under wafer's prefix (docs/operating.md, "Metrics")
+        "wafer_requests_running ",
+        "wafer_requests_waiting 0.0",
+        "wafer_kv_cache_usage_ratio ",
+        "# TYPE wafer_prefix_cache_hits_total counter",
+        "# TYPE wafer_prefix_cache_queries_total counter",
     ):
         assert name in text, name
     assert 'route="/v1/chat/completions"' in text
+    samples = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    chat = '{endpoint="chat"}'
+    assert samples[f"wafer_prompt_tokens_total{chat}"] > 0
+    assert samples[f"wafer_generation_tokens_total{chat}"] >= 3  # this test's 3, and others'
+    for histogram in ("time_to_first_token", "e2e_request_latency", "request_queue_time", "inter_token_latency"):
+        assert samples[f"wafer_{histogram}_seconds_count{chat}"] >= 1, histogram
+    assert 0.0 <= samples["wafer_kv_cache_usage_ratio"] <= 1.0
+    # Every metric the shipped Grafana dashboard charts is one the daemon exports.
+    dashboard = (Path(__file__).resolve().parents[3] / "docs" / "grafana-dashboard.json").read_text()
+    charted = {re.sub(r"_(bucket|sum|count)$", "", name) for name in re.findall(r"\bwafer_[a-z0-9_]+", dashboard)}
+    assert len(charted) >= 10
+    for name in charted:
+        assert f"# TYPE {name} " in text, name
 
 
 def test_openapi_document(server: Server) -> None:
@@ -93,7 +117,9 @@ def test_without_keys_the_openai_api_is_open_and_inferlets_are_disabled() -> Non
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b""})
 
-    app = EdgeMiddleware(inner, load_config({}, environ={}), Histogram("h", "h"))
+    app = EdgeMiddleware(
+        inner, load_config({}, environ={}), Registry().histogram("h", "h", ("method", "route", "status"))
+    )
 
     async def main() -> None:
         assert (await _call(app, "GET", "/v1/models", []))[0] == 200

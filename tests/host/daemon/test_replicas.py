@@ -60,7 +60,7 @@ def test_health_and_metrics_report_each_replica(pair: Server) -> None:
     assert health["status"] == "ok"
     assert health["engine"]["num_pages"] == sum(r["engine"]["num_pages"] for r in replicas)
     assert 'wafer_replica_up{replica="0"} 1' in text and 'wafer_replica_up{replica="1"} 1' in text
-    assert 'wafer_replica_stat{replica="1",name="available_pages"}' in text
+    assert 'wafer_replica_stat{name="available_pages",replica="1"}' in text
 
 
 def test_killing_one_replica_fails_only_its_requests_and_it_restarts(pair: Server) -> None:

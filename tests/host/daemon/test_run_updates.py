@@ -12,10 +12,10 @@ from types import SimpleNamespace
 from typing import Any
 
 from host.daemon.http_util import SSE_DONE, sse
-from host.daemon.metrics import Counter, Histogram
+from host.daemon.metrics import Registry
 from host.daemon.openai_prepare import Job
 from host.daemon.openai_render import Renderer
-from host.daemon.openai_routes import _batch_updates, _stream
+from host.daemon.openai_routes import _batch_updates, _stream, _TokenClock
 from host.daemon.run_log import RunEvent, RunLog
 from host.sandbox import RunOutcome, RunStatus
 from host.tokenizer import BytesTokenizer
@@ -33,12 +33,15 @@ def test_output_chunks_together_become_one_delta_in_order_with_messages() -> Non
         ("message", json.dumps({"deltas": [[0, "!", None]], "finished": [[0, "stop", 4]]})),
         ("end", {}),
     )
-    assert _batch_updates(batch) == [
-        {"prompt_tokens": [3]},
-        {"deltas": [[0, "Hello", None]]},
-        {"deltas": [[0, "!", None]], "finished": [[0, "stop", 4]]},
-    ]
-    assert _batch_updates(_events(("output", "a"))) == [{"deltas": [[0, "a", None]]}]
+    assert _batch_updates(batch) == (
+        [
+            {"prompt_tokens": [3]},
+            {"deltas": [[0, "Hello", None]]},
+            {"deltas": [[0, "!", None]], "finished": [[0, "stop", 4]]},
+        ],
+        3,  # generated pieces: "Hel", "lo", "!" (for the inter-token latency)
+    )
+    assert _batch_updates(_events(("output", "a"))) == ([{"deltas": [[0, "a", None]]}], 1)
 
 
 def test_a_follower_gets_a_burst_in_one_batch_with_one_wake_up() -> None:
@@ -100,12 +103,16 @@ def _stream_bodies(kind: str) -> list[bytes]:
             log=log, done=threading.Event(), outcome=RunOutcome(1, RunStatus.OK, ""), run_id=1, driver_lost=""
         )
         record.done.set()
+        m = Registry()
         daemon: Any = SimpleNamespace(
-            first_token=Histogram("ttft", "", ("endpoint",)),
-            requests=Counter("requests", "", ("endpoint", "outcome")),
-            tokens=Counter("tokens", "", ("endpoint", "kind")),
+            inter_token=m.histogram("itl", "", ("endpoint",)),
+            e2e=m.histogram("e2e", "", ("endpoint",)),
+            requests=m.counter("requests", "", ("endpoint", "outcome")),
+            prompt_tokens=m.counter("prompt", "", ("endpoint",)),
+            generation_tokens=m.counter("generation", "", ("endpoint",)),
         )
-        return [body async for body in _stream(daemon, kind, record, _renderer(kind), 0.0, events[:2])]
+        clock = _TokenClock(daemon, kind)
+        return [body async for body in _stream(daemon, kind, record, _renderer(kind), 0.0, events[:2], clock)]
 
     return asyncio.run(scenario())
 

@@ -291,11 +291,14 @@ class Scheduler:
         mask_rows = None
         if item.mask_rows is not None:
             mask_rows = [trim_runs(item.mask_rows[i], kv_len) for i in range(start, stop)]
-        outputs = [
-            OutputSpec(o.row - start, o.sampler, o.probe, o.probe_k, o.logit_mask, o.score_token)
-            for o in item.outputs
-            if start <= o.row < stop
-        ]
+        if start == 0 and stop == len(item.tokens):  # the whole pass (a decode step): rows as they are
+            outputs = list(item.outputs)
+        else:
+            outputs = [
+                OutputSpec(o.row - start, o.sampler, o.probe, o.probe_k, o.logit_mask, o.score_token)
+                for o in item.outputs
+                if start <= o.row < stop
+            ]
         if item.steps > 1:  # its one output samples every step, on rows 0 .. steps-1
             outputs = [replace(outputs[0], row=j) for j in range(item.steps)]
         pages: Sequence[int] = item.pages[:num_pages]

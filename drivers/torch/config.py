@@ -8,15 +8,17 @@ from dataclasses import dataclass, field
 from drivers.errors import ConfigRejected
 
 ARCHITECTURES = ("llama", "gemma")
+QK_NORMS = ("", "head", "projection")
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Shape and numerics of a decoder-only transformer.
 
-    `arch` "llama" covers Llama 2/3, SmolLM2 and Qwen2 (with `attention_bias`); "gemma" is the
-    Gemma-2/3 style block: (1 + w) RMS norms, sandwich norms, GELU-tanh MLP, scaled embeddings,
-    q/k norms, and per-layer sliding windows.
+    `arch` "llama" is the pre-norm SiLU block (Llama 2/3, Mistral, Qwen2/3, OLMo 2, Granite,
+    SmolLM3, Phi-3); "gemma" is the Gemma-2/3 style block: (1 + w) RMS norms, sandwich norms,
+    GELU-tanh MLP, scaled embeddings. The switches below are the families' differences on these
+    two blocks; `drivers/torch/families/` maps each family's config onto them.
     """
 
     arch: str
@@ -41,8 +43,22 @@ class ModelConfig:
     # Gemma-style extras.
     rope_local_theta: float = 0.0  # RoPE base of windowed layers (0 = rope_theta)
     query_scale: float = 0.0  # softmax scale (0 = head_dim ** -0.5)
-    qk_norm: bool = False
+    # RMS norms of q and k before RoPE: "" none, "head" over each head (Gemma 3, Qwen3),
+    # "projection" over the whole q and k projections (OLMo 2).
+    qk_norm: str = ""
     final_logit_softcap: float = 0.0
+    attn_logit_softcap: float = 0.0  # Gemma 2: scores = cap * tanh(scores / cap) before the softmax
+    # False (OLMo 2): no norms before attention and MLP; their outputs are normed before the residual add.
+    has_pre_norms: bool = True
+    # OLMo 2's RMS norm multiplies by its weight in float32, then casts back (Llama's casts first).
+    norm_weight_in_float32: bool = False
+    # Granite: embeddings times `embedding_multiplier`, each block's attention and MLP outputs times
+    # `residual_multiplier` before their residual adds, logits divided by `logits_scaling`.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    # SmolLM3: layers whose q and k get no RoPE.
+    layers_without_rope: tuple[int, ...] = ()
     name: str = "model"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -56,9 +72,28 @@ class ModelConfig:
             raise ConfigRejected("layer_windows needs one entry per layer", "layer_windows")
         if any(w < 0 for w in self.layer_windows):
             raise ConfigRejected("a layer window is negative", "layer_windows")
+        if self.qk_norm not in QK_NORMS:
+            raise ConfigRejected(f"qk_norm {self.qk_norm!r} is not one of {QK_NORMS}", "qk_norm")
+        if any(not 0 <= i < self.num_layers for i in self.layers_without_rope):
+            raise ConfigRejected("a layer without RoPE is not a layer of the model", "layers_without_rope")
+        if min(self.embedding_multiplier, self.residual_multiplier, self.logits_scaling) <= 0:
+            raise ConfigRejected("the multipliers and logits_scaling must be positive", "logits_scaling")
 
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0
+
+    def has_rope(self, layer: int) -> bool:
+        return layer not in self.layers_without_rope
+
+    @property
+    def norm_offset(self) -> float:
+        """What RMS norms add to their weight: Gemma stores w - 1 and multiplies by 1 + w."""
+        return 1.0 if self.arch == "gemma" else 0.0
+
+    @property
+    def has_post_norms(self) -> bool:
+        """Norms on the attention and MLP outputs before their residual adds (Gemma, OLMo 2)."""
+        return self.arch == "gemma" or not self.has_pre_norms
 
     @property
     def scale(self) -> float:

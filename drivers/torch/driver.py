@@ -21,8 +21,10 @@ from drivers.torch.batch_plan import CacheLimits, PassPlan, build_plan
 from drivers.torch.kernels import cpu_kernels
 from drivers.torch.kernels.paged_attention import PagedAttention
 from drivers.torch.kv_cache import PagedKVCache
-from drivers.torch.model import Transformer, rope_inv_freq
+from drivers.torch.model import Transformer
 from drivers.torch.progress import Progress
+from drivers.torch.rope import rope_inv_freq
+from drivers.torch.runners import compiled
 from drivers.torch.runners.compiled import CompiledModel
 from drivers.torch.runners.cuda_graphs import DecodeGraphs
 from drivers.torch.runners.fused_decode import FusedDecode, unsupported
@@ -32,7 +34,7 @@ from drivers.torch.weights.cpu_layout import transpose_linears
 from drivers.torch.weights.fusion import fuse_projections
 from drivers.torch.weights.lora import LoraBatch, LoraWeights, load_peft
 from drivers.torch.weights.quantize import quantize_int8
-from drivers.torch.weights.smoothing import calibration_tokens, smooth
+from drivers.torch.weights.smoothing import calibration_tokens, cannot_smooth, smooth
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -128,14 +130,22 @@ class TorchDriver:
             raise ConfigRejected("a KV dtype other than the model's is implemented for the CPU only", "kv_dtype")
         self.model = fuse_projections(build_model(ckpt, self.device, self.dtype))
         if options.weights == "w8a8" and options.smooth:
-            self.model = smooth(self.model, calibration_tokens(ckpt.tokenizer, ckpt.cfg.vocab_size))
+            if reason := cannot_smooth(self.cfg):
+                log.info("w8a8 weights are not smoothed (smoothing does not take %s)", reason)
+            else:
+                self.model = smooth(self.model, calibration_tokens(ckpt.tokenizer, ckpt.cfg.vocab_size))
         if options.weights != "dense":
             self.model = quantize_int8(self.model, options.weights, options.w8a8_kernel, options.pack_weights)
         elif self.device.type == "cpu" and self.dtype == torch.float32:
             self.model = transpose_linears(self.model, options.f32_kernel and cpu_kernels.load())
-        self.use_triton = self.device.type == "cuda"
+        # The Triton and C++ attention kernels have no logit soft cap: such models attend in torch.
+        softcap = self.cfg.attn_logit_softcap > 0
+        if softcap and self.device.type == "cuda":
+            log.info("attention runs in torch, not Triton (the kernel does not take a logit soft cap)")
+        self.use_triton = self.device.type == "cuda" and not softcap
         self.attention_kernel = (
             options.attention_kernel
+            and not softcap
             and self.device.type == "cpu"
             and self.dtype == torch.float32
             and cpu_kernels.load()
@@ -146,7 +156,10 @@ class TorchDriver:
         if options.compile:
             if self.device.type != "cpu":
                 raise ConfigRejected("--compile is implemented for the CPU only", "compile")
-            self.compiled = CompiledModel(self.model)
+            if reason := compiled.unsupported(self.cfg):
+                log.info("passes run the model's own path, not compiled (the compiled graphs do not take %s)", reason)
+            else:
+                self.compiled = CompiledModel(self.model)
         self.cache: PagedKVCache | None = None
         self.limits: CacheLimits | None = None
         self.graphs: DecodeGraphs | None = None
@@ -185,7 +198,7 @@ class TorchDriver:
         self.limits = CacheLimits(page_size, num_pages, cfg.vocab_size, max_context, o.max_probe_k)
         if fresh:
             self.fused = self._fused_decode(self.cache)
-        if fresh and self.device.type == "cuda" and o.cuda_graphs:
+        if fresh and self.device.type == "cuda" and o.cuda_graphs and self.use_triton:
             self.graphs = DecodeGraphs(cfg, self.model, self.cache, max_context, o.max_requests_per_pass)
         if fresh and self.compiled is not None and warm_up:
             self.warm_up()  # the new pages hold nothing yet, so the warm-up may write into them
@@ -243,7 +256,8 @@ class TorchDriver:
             return ""
         if not cpu_kernels.load() or (variant := cpu_kernels.variants()["w8a8"]) == "portable":
             return ""
-        flags = ([] if o.weights == "w8a8" else ["--weights", "w8a8"]) + ([] if o.compile else ["--compile"])
+        can_compile = not (o.compile or compiled.unsupported(self.cfg))
+        flags = ([] if o.weights == "w8a8" else ["--weights", "w8a8"]) + (["--compile"] if can_compile else [])
         flags += ["--kv-dtype", "float16"] if self.kv_dtype == torch.float32 else []
         if not flags:
             return ""

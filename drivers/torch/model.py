@@ -1,7 +1,7 @@
 """The transformer math, nothing else (gpt-fast style): Llama- and Gemma-style decoder blocks over
-a flat token batch. Attention over the paged cache and LoRA deltas come in as callables, so this
-file knows nothing of pages, masks, requests or checkpoint formats. Parameter names follow
-Hugging Face's so a checkpoint's state dict loads as is."""
+a flat token batch, with the families' switches of `ModelConfig`. Attention over the paged cache
+and LoRA deltas come in as callables, so this file knows nothing of pages, masks, requests or
+checkpoint formats. Parameter names follow Hugging Face's so a checkpoint's state dict loads as is."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drivers.torch.config import ModelConfig
+from drivers.torch.rope import rope_inv_freq
 
 # attend(layer, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, H, D]: stores k/v, attends.
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -30,23 +31,28 @@ class LoraDelta(Protocol):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, offset: float) -> None:
+    def __init__(self, dim: int, eps: float, offset: float, weight_in_float32: bool = False) -> None:
         super().__init__()
         # Gemma stores w - 1 (its norm multiplies by 1 + w); Llama stores w.
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps = eps
         self.offset = offset
+        self.weight_in_float32 = weight_in_float32 or bool(offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One fused op where the reference order allows it (a decode step runs 61 of these).
         shape = (x.shape[-1],)
-        if self.offset:  # Gemma multiplies by (1 + w) in float32 before casting back
+        if self.weight_in_float32:  # Gemma (by 1 + w) and OLMo 2 multiply in float32, then cast back
             return F.rms_norm(x.float(), shape, self.offset + self.weight.float(), self.eps).to(x.dtype)
         if x.dtype == torch.float32:
             return F.rms_norm(x, shape, self.weight, self.eps)
         # Llama normalizes in float32, casts back, then multiplies by the weight in the low dtype.
         out: torch.Tensor = self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(x.dtype)
         return out
+
+
+def _norm(cfg: ModelConfig, dim: int) -> RMSNorm:
+    return RMSNorm(dim, cfg.rms_eps, cfg.norm_offset, cfg.norm_weight_in_float32)
 
 
 class Attention(nn.Module):
@@ -65,8 +71,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_eps, 1.0)
-            self.k_norm = RMSNorm(d, cfg.rms_eps, 1.0)
+            whole = cfg.qk_norm == "projection"
+            self.q_norm = _norm(cfg, h * d if whole else d)
+            self.k_norm = _norm(cfg, kv * d if whole else d)
         self.qkv: nn.Module | None = None  # set by `fusion.fuse_projections`: q, k, v in one matmul
 
 
@@ -93,14 +100,16 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        offset = 1.0 if cfg.arch == "gemma" else 0.0
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, offset)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, offset)
+        if cfg.has_pre_norms:
+            self.input_layernorm = _norm(cfg, cfg.hidden_size)
+        # Llama: the norm before the MLP; Gemma and OLMo 2: the norm of the attention output.
+        self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
         if cfg.arch == "gemma":
-            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, offset)
-            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, offset)
+            self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
+        if cfg.has_post_norms:
+            self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
 
 
 class Decoder(nn.Module):
@@ -111,25 +120,10 @@ class Decoder(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, 1.0 if cfg.arch == "gemma" else 0.0)
+        self.norm = _norm(cfg, cfg.hidden_size)
 
     def blocks(self) -> list[Block]:
         return [b for b in self.layers if isinstance(b, Block)]
-
-
-def rope_inv_freq(head_dim: int, theta: float, llama3: tuple[float, float, float, int] | None = None) -> torch.Tensor:
-    """Inverse RoPE frequencies, computed in float32 exactly as transformers does. `llama3` =
-    (factor, low_freq_factor, high_freq_factor, original_max_position) for Llama 3.1+ scaling."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if llama3 is None:
-        return inv
-    factor, low, high, original = llama3
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > original / low, inv / factor, inv)
-    smooth = (original / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < original / high) & ~(wavelen > original / low)
-    return torch.where(medium, smoothed, scaled)
 
 
 def rope_cos_sin(
@@ -145,6 +139,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def layer_rope(cfg: ModelConfig, layer: int, rope_full: Rope, rope_local: Rope) -> Rope | tuple[None, None]:
+    """The (cos, sin) a layer rotates q and k by: its attention family's, or (None, None) for a
+    layer without RoPE."""
+    if not cfg.has_rope(layer):
+        return None, None
+    return rope_local if cfg.window(layer) > 0 else rope_full
+
+
+def _times(x: torch.Tensor, multiplier: float) -> torch.Tensor:
+    return x if multiplier == 1.0 else x * multiplier
 
 
 # The LoRA delta of one layer: (projection name, input rows) -> delta or None.
@@ -171,22 +177,32 @@ def _fused(
 
 
 def attention_inputs(
-    cfg: ModelConfig, block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lora: LayerLora | None
+    cfg: ModelConfig,
+    block: Block,
+    x: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    lora: LayerLora | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The dense work of a layer before attention: norm, q/k/v projections, q/k norms, RoPE."""
+    """The dense work of a layer before attention: norm, q/k/v projections, q/k norms, RoPE
+    (none where `cos` is None)."""
     attn, n = block.self_attn, x.shape[0]
-    h = block.input_layernorm(x)
+    h = block.input_layernorm(x) if cfg.has_pre_norms else x
     names = ("q_proj", "k_proj", "v_proj")
     if attn.qkv is None:
         q, k, v = (_proj(getattr(attn, name), name, h, lora) for name in names)
     else:
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q, k, v = _fused(attn.qkv, names, (q_size, kv_size, kv_size), h, lora)
+    if cfg.qk_norm == "projection":
+        q, k = attn.q_norm(q), attn.k_norm(k)
     q = q.reshape(n, cfg.num_heads, cfg.head_dim)
     k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.qk_norm:
+    if cfg.qk_norm == "head":
         q, k = attn.q_norm(q), attn.k_norm(k)
+    if cos is None or sin is None:
+        return q, k, v
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
@@ -204,12 +220,13 @@ def attention_output(
     o = _proj(block.self_attn.o_proj, "o_proj", o.reshape(x.shape[0], cfg.num_heads * cfg.head_dim), lora)
     if reduce is not None:
         o = reduce(o)
+    if cfg.has_post_norms:
+        o = block.post_attention_layernorm(o)
+    x = x + _times(o, cfg.residual_multiplier)
     if gemma:
-        x = x + block.post_attention_layernorm(o)
         h = block.pre_feedforward_layernorm(x)
     else:
-        x = x + o
-        h = block.post_attention_layernorm(x)
+        h = block.post_attention_layernorm(x) if cfg.has_pre_norms else x
     mlp = block.mlp
     if mlp.gate_up is None:
         gate, up = _proj(mlp.gate_proj, "gate_proj", h, lora), _proj(mlp.up_proj, "up_proj", h, lora)
@@ -220,13 +237,17 @@ def attention_output(
     m = _proj(mlp.down_proj, "down_proj", act * up, lora)
     if reduce is not None:
         m = reduce(m)
-    return x + (block.post_feedforward_layernorm(m) if gemma else m)
+    if cfg.has_post_norms:
+        m = block.post_feedforward_layernorm(m)
+    return x + _times(m, cfg.residual_multiplier)
 
 
 def output_logits(cfg: ModelConfig, norm: RMSNorm, head: nn.Module | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Final norm and output head (a module, or the weight of a plain linear), float32 logits."""
     x = norm(x)
     logits = (F.linear(x, head) if isinstance(head, torch.Tensor) else head(x)).float()
+    if cfg.logits_scaling != 1.0:
+        logits = logits / cfg.logits_scaling
     if cfg.final_logit_softcap:
         logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
     return logits
@@ -263,6 +284,7 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(tokens)
         if cfg.arch == "gemma":  # Gemma scales embeddings by sqrt(hidden), rounded to the activation dtype
             x = x * torch.tensor(math.sqrt(cfg.hidden_size), dtype=x.dtype)
+        x = _times(x, cfg.embedding_multiplier)
         rope = rope_cos_sin(self.inv_freq, positions, x.dtype)
         has_local = any(w > 0 for w in cfg.layer_windows)
         return x, rope, rope_cos_sin(self.inv_freq_local, positions, x.dtype) if has_local else rope
@@ -283,7 +305,7 @@ class Transformer(nn.Module):
         x, rope_full, rope_local = self.embed(tokens, positions)
         for i, block in enumerate(self.model.blocks()):
             layer_lora = None if lora is None else functools.partial(lora, i)
-            cos, sin = rope_local if cfg.window(i) > 0 else rope_full
+            cos, sin = layer_rope(cfg, i, rope_full, rope_local)
             q, k, v = attention_inputs(cfg, block, x, cos, sin, layer_lora)
             x = attention_output(cfg, block, x, attend(i, q, k, v), layer_lora, self.reduce)
         return output_logits(cfg, self.model.norm, self.head(), x[rows])

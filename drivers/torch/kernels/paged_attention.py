@@ -39,20 +39,22 @@ def attend_keys(
     scale: float,
     fused_decode: bool = False,
     kernel: bool = False,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Write k/v [T, Hkv, D] into the cache, attend q [T, H, D] over the keys -> [T, H, D].
     With one query per request: `kernel` (float32 on the CPU, `cpu_kernels` loaded) runs the C++
     decode attention, which reads the keys in place; else `fused_decode` (for compiled layers)
     runs attention as gather, multiply and sum, which Inductor fuses without materializing the
-    gathered keys."""
+    gathered keys. `softcap` (Gemma 2's attention logit cap) runs only in `masked_attention`: the
+    callers keep `kernel` and `fused_decode` off for it."""
     keys.k_cache.index_copy_(0, keys.slots, k.to(keys.k_cache.dtype))
     keys.v_cache.index_copy_(0, keys.slots, v.to(keys.v_cache.dtype))
     decode = keys.q_index.shape[1] == 1
-    if decode and kernel:
+    if decode and kernel and not softcap:
         out = torch.ops.wafer.decode_attention(
             q[keys.q_index[:, 0]], keys.k_cache, keys.v_cache, keys.key_index, keys.mask[:, 0], keys.empty[:, 0], scale
         )
-    elif decode and fused_decode:
+    elif decode and fused_decode and not softcap:
         out = _decode_attention(q, keys, scale)
     else:
         out = masked_attention(
@@ -62,6 +64,7 @@ def attend_keys(
             keys.mask,
             scale,
             keys.empty,
+            softcap,
         )
     return out.reshape(-1, *q.shape[1:])[keys.valid]
 
@@ -124,7 +127,8 @@ class PagedAttention:
                 window,
                 self.cfg.num_sink_tokens if window else 0,
             )
-        return attend_keys(q, k, v, self.layer_keys(layer), self.cfg.scale, kernel=self.kernel)
+        keys = self.layer_keys(layer)
+        return attend_keys(q, k, v, keys, self.cfg.scale, kernel=self.kernel, softcap=self.cfg.attn_logit_softcap)
 
     def layer_keys(self, layer: int) -> LayerKeys:
         cache = self.cache

@@ -24,6 +24,12 @@ def check_tensor_parallel(cfg: ModelConfig, num_ranks: int) -> None:
     """Raise `ConfigRejected` naming the numbers unless `cfg` splits evenly over `num_ranks`."""
     if num_ranks < 1:
         raise ConfigRejected(f"must be 1 or more, got {num_ranks}", "tensor_parallel")
+    if num_ranks > 1 and cfg.qk_norm == "projection":
+        # Each rank holds some heads, and the norm's mean square runs over all of them.
+        raise ConfigRejected(
+            "tensor parallelism does not shard q/k norms over the whole projection (OLMo 2): run one rank",
+            "tensor_parallel",
+        )
     for what, n in (
         ("KV heads", cfg.num_kv_heads),
         ("attention heads", cfg.num_heads),

@@ -23,7 +23,7 @@ from drivers.torch.parallel.tensor_parallel import check_tensor_parallel, shard_
 from drivers.torch.weights.checkpoint import Checkpoint
 from drivers.torch.weights.fusion import fuse_projections
 from drivers.torch.weights.lora import load_peft
-from drivers.torch.weights.smoothing import calibration_tokens, smooth
+from drivers.torch.weights.smoothing import calibration_tokens, cannot_smooth, smooth
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def build_rank_driver(shard: Checkpoint, options: DriverOptions, group: RankGrou
     """This rank's driver: an ordinary `TorchDriver` over its shard, whose model sums the
     row-parallel projections over the group. Every rank calls this together (w8a8's smoothing
     runs collectives); `TorchDriver` then quantizes the (smoothed) shard as on one rank."""
-    if options.weights == "w8a8" and options.smooth:
+    if options.weights == "w8a8" and options.smooth and not cannot_smooth(shard.cfg):
         shard = smoothed_shard(shard, options, group)
         options = dataclasses.replace(options, smooth=False)  # done, over the group
     driver = TorchDriver(shard, options)

@@ -22,18 +22,37 @@ import torch
 from drivers.torch.config import ModelConfig
 from drivers.torch.kernels import cpu_kernels
 from drivers.torch.kernels.paged_attention import LayerKeys, PagedAttention, attend_keys
-from drivers.torch.model import Block, Reduce, Transformer, attention_inputs, attention_output, output_logits
+from drivers.torch.model import (
+    Block,
+    Reduce,
+    Transformer,
+    attention_inputs,
+    attention_output,
+    layer_rope,
+    output_logits,
+)
 from drivers.torch.runners.direct_graphs import DirectGraphs
 
 _Families = dict[int, tuple[torch.Tensor, ...]]  # `PagedAttention.family_keys` by window
+
+
+def unsupported(cfg: ModelConfig) -> str:
+    """Why the compiled graphs cannot run this model ("" if they can): the attention they call
+    has no logit soft cap, and layers without RoPE would give the per-layer function a second
+    graph for each size pattern that is not marked dynamic."""
+    if cfg.attn_logit_softcap:
+        return "an attention logit soft cap"
+    if cfg.layers_without_rope:
+        return "layers without RoPE"
+    return ""
 
 
 def _layer(
     cfg: ModelConfig,
     block: Block,
     x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
     keys: LayerKeys,
     kernel: bool,
     reduce: Reduce | None,
@@ -58,9 +77,8 @@ def _stack(
     graph's inputs hold each tensor once."""
     x, (cos, sin), (cos_local, sin_local) = model.embed(tokens, positions)
     for i, block in enumerate(model.model.blocks()):
-        window = cfg.window(i)
-        cos_i, sin_i = (cos_local, sin_local) if window > 0 else (cos, sin)
-        keys = LayerKeys(caches[0][i], caches[1][i], *families[window])
+        cos_i, sin_i = layer_rope(cfg, i, (cos, sin), (cos_local, sin_local))
+        keys = LayerKeys(caches[0][i], caches[1][i], *families[cfg.window(i)])
         x = _layer(cfg, block, x, cos_i, sin_i, keys, kernel, reduce)
     return output_logits(cfg, model.model.norm, model.head(), x)
 
@@ -88,7 +106,10 @@ def _mark_stack(
 
 
 class CompiledModel:
+    """Check `unsupported(model.cfg)` first."""
+
     def __init__(self, model: Transformer) -> None:
+        assert not unsupported(model.cfg), unsupported(model.cfg)
         self.model = model
         # Each model compiles its own copies (dynamo counts graphs per code object), called
         # without dynamo's per-call overhead once compiled (`direct_graphs.py`).
@@ -130,7 +151,7 @@ class CompiledModel:
             return logits if every_row else logits[rows]
         x, rope_full, rope_local = model.embed(tokens, positions)
         for i, block in enumerate(self._blocks):
-            cos, sin = rope_local if cfg.window(i) > 0 else rope_full
+            cos, sin = layer_rope(cfg, i, rope_full, rope_local)
             keys = attention.layer_keys(i)
             if i == 0:  # only the first call of a pass can compile
                 _mark_dynamic(x, cos, sin, keys.slots, keys.q_index, keys.key_index, keys.mask, keys.empty, keys.valid)

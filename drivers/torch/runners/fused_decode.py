@@ -65,7 +65,13 @@ def unsupported(model: Transformer, cache: PagedKVCache) -> str:
     cfg = model.cfg
     reasons = [
         (cfg.arch != "llama", f"{cfg.arch} blocks"),
-        (cfg.qk_norm or cfg.final_logit_softcap > 0, "q/k norms or a logit soft cap"),
+        (bool(cfg.qk_norm) or cfg.final_logit_softcap > 0, "q/k norms or a logit soft cap"),
+        (not cfg.has_pre_norms, "blocks with norms after attention and MLP"),
+        (bool(cfg.layers_without_rope), "layers without RoPE"),
+        (
+            (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling) != (1.0, 1.0, 1.0),
+            "embedding, residual or logit multipliers",
+        ),
         (any(cfg.window(i) for i in range(cfg.num_layers)), "windowed attention layers"),
         (model.reduce is not None, "a tensor-parallel shard"),
         (cache.k.device.type != "cpu", "a cache off the CPU"),

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import nn
 
+from drivers.torch.config import ModelConfig
 from drivers.torch.model import Attend, RMSNorm, Transformer
 
 # The elementwise maximum of a tensor over tensor-parallel ranks (`RankGroup.max`).
@@ -41,6 +42,12 @@ CALIBRATION_TEXT = (
     "<|im_start|>assistant\n12 times 7 is 84."
 )
 _EPS = 1e-5
+
+
+def cannot_smooth(cfg: ModelConfig) -> str:
+    """Why `smooth` cannot fold this model's factors ("" if it can): the q/k/v and gate/up inputs
+    must come out of a norm."""
+    return "" if cfg.has_pre_norms else "blocks without norms before attention and MLP"
 
 
 def smooth(

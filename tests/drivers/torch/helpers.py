@@ -120,56 +120,62 @@ def cut_brle(runs: Sequence[int], length: int) -> list[int]:
 # ---------------------------------------------------------------- tiny checkpoints
 
 
-def write_tiny_llama(path: Path, seed: int = 0, **overrides: object) -> Path:
-    """A random-weight Llama (GQA) saved by transformers as safetensors, with config.json."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+# A tiny shape every family takes, with the token ids inside its vocabulary.
+TINY_SHAPE: dict[str, object] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def write_tiny_family(path: Path, model_type: str, seed: int = 0, **overrides: object) -> Path:
+    """A random-weight model of any family transformers knows (`model_type`, e.g. "qwen3"), in
+    `TINY_SHAPE` with `overrides`, saved by transformers as safetensors with config.json."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    cfg = dict(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    )
-    cfg.update(overrides)
-    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    cfg = AutoConfig.for_model(model_type, **{**TINY_SHAPE, **overrides})
+    model = AutoModelForCausalLM.from_config(cfg)
     _randomize(model)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
 
+def write_tiny_llama(path: Path, seed: int = 0, **overrides: object) -> Path:
+    """A random-weight Llama (GQA) saved by transformers as safetensors, with config.json."""
+    tiny: dict[str, object] = dict(vocab_size=96, num_hidden_layers=2, rope_theta=10000.0, pad_token_id=None)
+    return write_tiny_family(path, "llama", seed, **{**tiny, **overrides})
+
+
 def write_tiny_gemma(path: Path, sliding_window: int, seed: int = 0, num_sink_tokens: int = 0) -> Path:
     """A random-weight Gemma-3-style model: layers alternate sliding-window and full attention."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(seed)
-    layer_types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
-    cfg = Gemma3TextConfig(
+    write_tiny_family(
+        path,
+        "gemma3_text",
+        seed,
         vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=2,
+        eos_token_id=1,
         sliding_window=sliding_window,
-        layer_types=layer_types,
+        layer_types=["sliding_attention", "full_attention"] * 2,
         query_pre_attn_scalar=16,
         rope_theta=10000.0,
         rope_local_base_freq=1000.0,
         attn_logit_softcapping=None,
         final_logit_softcapping=None,
     )
-    model = Gemma3ForCausalLM(cfg)
-    _randomize(model)
-    model.save_pretrained(path, safe_serialization=True)
     if num_sink_tokens:
         raw = json.loads((path / "config.json").read_text())
         raw["num_sink_tokens"] = num_sink_tokens

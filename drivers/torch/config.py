@@ -31,6 +31,8 @@ class ModelConfig:
     head_dim: int
     rope_theta: float = 10000.0
     # Llama 3.1+ RoPE scaling: (factor, low_freq_factor, high_freq_factor, original_max_position).
+    # RoPE rotates the first `rotary_dim` dims of each head (0 = all; Phi-4-mini: 3/4), the rest pass.
+    rotary_dim: int = 0
     rope_llama3: tuple[float, float, float, int] | None = None
     rms_eps: float = 1e-5
     max_position: int = 8192
@@ -72,6 +74,8 @@ class ModelConfig:
             raise ConfigRejected("layer_windows needs one entry per layer", "layer_windows")
         if any(w < 0 for w in self.layer_windows):
             raise ConfigRejected("a layer window is negative", "layer_windows")
+        if self.rotary_dim % 2 or not 0 <= self.rotary_dim <= self.head_dim:
+            raise ConfigRejected("rotary_dim must be even and at most head_dim", "rotary_dim")
         if self.qk_norm not in QK_NORMS:
             raise ConfigRejected(f"qk_norm {self.qk_norm!r} is not one of {QK_NORMS}", "qk_norm")
         if any(not 0 <= i < self.num_layers for i in self.layers_without_rope):
@@ -81,6 +85,11 @@ class ModelConfig:
 
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of each head RoPE rotates (the first ones)."""
+        return self.rotary_dim or self.head_dim
 
     def has_rope(self, layer: int) -> bool:
         return layer not in self.layers_without_rope

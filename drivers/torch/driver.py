@@ -23,7 +23,7 @@ from drivers.torch.kernels.paged_attention import PagedAttention
 from drivers.torch.kv_cache import PagedKVCache
 from drivers.torch.model import Transformer
 from drivers.torch.progress import Progress
-from drivers.torch.rope import rope_inv_freq
+from drivers.torch.rope import model_inv_freqs
 from drivers.torch.runners import compiled
 from drivers.torch.runners.compiled import CompiledModel
 from drivers.torch.runners.cuda_graphs import DecodeGraphs
@@ -108,9 +108,8 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> T
     # because bf16 inverse frequencies would misplace every rotation at long positions.
     model.inv_freq = model.inv_freq_local = torch.empty(0)
     model = model.to(device=device, dtype=dtype).eval()
-    cfg = ckpt.cfg
-    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_llama3).to(device)
-    model.inv_freq_local = rope_inv_freq(cfg.head_dim, cfg.rope_local_theta or cfg.rope_theta).to(device)
+    inv_freq, inv_freq_local = model_inv_freqs(ckpt.cfg)
+    model.inv_freq, model.inv_freq_local = inv_freq.to(device), inv_freq_local.to(device)
     return model
 
 

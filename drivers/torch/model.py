@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drivers.torch.config import ModelConfig
-from drivers.torch.rope import rope_inv_freq
+from drivers.torch.rope import model_inv_freqs
 
 # attend(layer, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, H, D]: stores k/v, attends.
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -136,6 +136,10 @@ def rope_cos_sin(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of the first cos.shape[-1] dims of x; the others pass unchanged."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -271,9 +275,9 @@ class Transformer(nn.Module):
         self.output_head: nn.Module | None = None
         # Set on a tensor-parallel shard: sums the row-parallel projections' outputs over ranks.
         self.reduce: Reduce | None = None
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_llama3), persistent=False)
-        local = cfg.rope_local_theta or cfg.rope_theta
-        self.register_buffer("inv_freq_local", rope_inv_freq(cfg.head_dim, local), persistent=False)
+        inv_freq, inv_freq_local = model_inv_freqs(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq_local", inv_freq_local, persistent=False)
 
     def output_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.cfg.tie_embeddings else self.lm_head.weight

@@ -13,6 +13,7 @@ def common_fields(raw: dict[str, Any], name: str) -> dict[str, Any]:
     """`ModelConfig` keyword arguments every family shares."""
     heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
+    head_dim = int(raw.get("head_dim") or hidden // heads)
     eos = raw.get("eos_token_id")
     return dict(
         vocab_size=int(raw["vocab_size"]),
@@ -21,7 +22,7 @@ def common_fields(raw: dict[str, Any], name: str) -> dict[str, Any]:
         num_layers=int(raw["num_hidden_layers"]),
         num_heads=heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(raw.get("head_dim") or hidden // heads),
+        head_dim=head_dim,
         rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position=int(raw.get("max_position_embeddings", 4096)),
         tie_embeddings=bool(raw.get("tie_word_embeddings", True)),
@@ -29,7 +30,7 @@ def common_fields(raw: dict[str, Any], name: str) -> dict[str, Any]:
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
         num_sink_tokens=int(raw.get("num_sink_tokens", 0)),  # wafer extension, absent in HF configs
-        **hf_rope_fields(raw),
+        **hf_rope_fields(raw, head_dim),
     )
 
 

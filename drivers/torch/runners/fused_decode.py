@@ -67,7 +67,7 @@ def unsupported(model: Transformer, cache: PagedKVCache) -> str:
         (cfg.arch != "llama", f"{cfg.arch} blocks"),
         (bool(cfg.qk_norm) or cfg.final_logit_softcap > 0, "q/k norms or a logit soft cap"),
         (not cfg.has_pre_norms, "blocks with norms after attention and MLP"),
-        (bool(cfg.layers_without_rope), "layers without RoPE"),
+        (bool(cfg.layers_without_rope) or cfg.rope_dim != cfg.head_dim, "layers without RoPE or partial RoPE"),
         (
             (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling) != (1.0, 1.0, 1.0),
             "embedding, residual or logit multipliers",

@@ -25,6 +25,7 @@ from drivers.torch.runners import compiled
 from drivers.torch.weights.checkpoint import Checkpoint
 from drivers.torch.weights.smoothing import causal_attention
 from tests.drivers.torch.helpers import (
+    TINY_SHAPE,
     chunked_logits,
     forward,
     hf_model,
@@ -42,7 +43,7 @@ FAMILIES: dict[str, dict[str, object]] = {
     "olmo2": {},
     "granite": dict(embedding_multiplier=3.0, attention_multiplier=0.1, residual_multiplier=0.4, logits_scaling=2.5),
     "smollm3": dict(no_rope_layers=[1, 0, 1, 0]),
-    "phi3": dict(sliding_window=8),
+    "phi3": dict(sliding_window=8, partial_rotary_factor=0.5),  # Phi-4-mini rotates 3/4 of each head
     "gemma2": dict(
         sliding_window=4,
         query_pre_attn_scalar=16,
@@ -96,8 +97,8 @@ FUSED = {
     "qwen3": "q/k norms or a logit soft cap",
     "olmo2": "q/k norms or a logit soft cap",
     "granite": "embedding, residual or logit multipliers",
-    "smollm3": "layers without RoPE",
-    "phi3": "windowed attention layers",
+    "smollm3": "layers without RoPE or partial RoPE",
+    "phi3": "layers without RoPE or partial RoPE",
     "gemma2": "gemma blocks",
 }
 COMPILED = {"smollm3": "layers without RoPE", "gemma2": "an attention logit soft cap"}
@@ -210,7 +211,6 @@ def test_w8a8_tracks_float32(family: tuple[str, Path]) -> None:
     [
         ("qwen3", dict(attention_bias=True), "attention_bias"),
         ("granite", dict(mlp_bias=True), "mlp_bias"),
-        ("phi3", dict(partial_rotary_factor=0.5), "part of each head"),
     ],
 )
 def test_configs_it_cannot_run_are_refused_by_name(
@@ -219,6 +219,13 @@ def test_configs_it_cannot_run_are_refused_by_name(
     path = write_tiny_family(tmp_path / "m", model_type, **overrides)
     with pytest.raises(ConfigRejected, match=match):
         load_dir(path)
+
+
+def test_a_rope_kind_it_lacks_is_refused_by_name() -> None:
+    raw = dict(model_type="phi3", **TINY_SHAPE)
+    raw["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8}
+    with pytest.raises(ConfigRejected, match=r"longrope.*not supported yet"):
+        hf_config(raw, "m")
 
 
 def test_an_unknown_family_is_refused_naming_those_it_knows() -> None:

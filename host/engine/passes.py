@@ -1,6 +1,7 @@
 """`Pass`: one inferlet forward pass, the one shape it has on the host from the check where it
-enters (host.engine.pass_check) to the driver pass it goes out in (host.engine.scheduler), staged ones included
-(host.engine.staging). Its speculation features (`shape`) are a property of it, not another copy.
+enters (host.engine.pass_check) to the driver pass it goes out in (host.engine.scheduler), staged
+ones included (host.engine.staging). Its speculation features (`shape`) are a property of it, not
+another copy; `Waiter`, who gets its result.
 
 Pure data: no pages, no clock, no threads.
 """

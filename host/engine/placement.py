@@ -1,8 +1,8 @@
 """Where a new run goes among the engine's replicas (host.engine.replicas): by prefix affinity,
 then load and free pages. Pure: it sees counts and page names, never an engine, a lock or a clock.
 
-Affinity is judged on what was *sent* to each replica: the names (host.engine.prefix_cache) of the full
-pages of every prompt that started a context there. A replica's own cache may have evicted some
+Affinity is judged on what was *sent* to each replica: the names (host.engine.prefix_cache) of
+the full pages of every prompt that started a context there. A replica's own cache may have evicted some
 of them since; the guess then costs one recomputed prefix, never a wrong result.
 """
 

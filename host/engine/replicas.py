@@ -396,7 +396,8 @@ class ReplicatedEngine:
             return
 
     def _prompt_names(self, request: PassRequest) -> list[bytes]:
-        """The names of the full pages of a context's first pass (as host.engine.prefix names them)."""
+        """The names of the full pages of a context's first pass (as host.engine.prefix names
+        them)."""
         if self._first is None or not self._first.config.prefix_match_unit:
             return []  # prefix reuse off: no prompt is cached anywhere
         page_size = self._first.model.page_size

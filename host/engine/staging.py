@@ -4,8 +4,9 @@ passes, serves a matching inferlet request from one, and drops them when a chain
 It sits beside the engine core, not inside it (host.engine.speculation wires the two): staged
 passes go into the core through `PassSink.enqueue` like any other, and their results come back
 the way every pass's result does, through the waiter they were enqueued with (the `StagedPass`
-itself). Every method is called with the engine's lock held. The decisions (what may be staged, what a
-staged entry may serve) belong to `host.engine.speculator`; this module only moves passes and results.
+itself). Every method is called with the engine's lock held. The decisions (what may be staged,
+what a staged entry may serve) belong to `host.engine.speculator`; this module only moves passes
+and results.
 
 A context's next step is staged as soon as the pass it follows is sent (not when it returns),
 with its input token left to the driver (the "deferred_tokens" capability, which `drivers.serve`

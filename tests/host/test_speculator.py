@@ -1,8 +1,8 @@
 """The speculator's one rule table: every feature that forbids staging also forbids serving,
 and each rule has a case that fails when the rule is removed.
 
-How each rule was checked: deleting any one `Rule(...)` line from `host.engine.speculator.RULES` fails
-`test_every_rule_has_a_feature_case` and that rule's case of
+How each rule was checked: deleting any one `Rule(...)` line from `host.engine.speculator.RULES`
+fails `test_every_rule_has_a_feature_case` and that rule's case of
 `test_a_feature_that_forbids_staging_also_forbids_serving` (the request is then staged from and
 served); for the logit-mask, attention-mask and grammar rules also the named
 `test_entry_match_rejects_*` tests below, and end to end tests/host/test_engine_speculation.py

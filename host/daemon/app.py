@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from host.daemon import inferlet_routes, openai_routes, ops_routes
+from host.daemon import console, inferlet_routes, openai_routes, ops_routes
 from host.daemon.banner import announce_when_ready
 from host.daemon.config import DaemonConfig
 from host.daemon.daemon import Daemon
@@ -81,6 +81,7 @@ def create_app(config: DaemonConfig, daemon: Daemon | None = None, announce: boo
     app.include_router(ops_routes.router)
     app.include_router(openai_routes.router)
     app.include_router(inferlet_routes.router)
+    app.include_router(console.router)
     _add_error_handlers(app)
     app.add_middleware(EdgeMiddleware, config=config, latency=daemon.latency)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]

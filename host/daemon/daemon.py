@@ -162,6 +162,15 @@ class Daemon:
         m.add(SampledFamily("wafer_runs_ended_total", "Runs ended, by final state", "counter", ("state",), self._ended))
         m.add(
             SampledFamily(
+                "wafer_runs_by_inferlet_total",
+                "Runs ended, by inferlet (an upload's id, or chat; past 64 of them, other) and final state",
+                "counter",
+                ("inferlet", "outcome"),
+                self._ended_by_inferlet,
+            )
+        )
+        m.add(
+            SampledFamily(
                 "wafer_driver_stat",
                 "The driver's own counters (passes, requests, tokens...); reset on restart",
                 "gauge",
@@ -271,6 +280,11 @@ class Daemon:
         if self._registry is None:
             return {}
         return {(state,): float(n) for state, n in self._registry.counts().items() if state != "running"}
+
+    def _ended_by_inferlet(self) -> Mapping[LabelValues, float]:
+        if self._registry is None:
+            return {}
+        return {labels: float(n) for labels, n in self._registry.ended_by_inferlet().items()}
 
     def driver_stats(self) -> dict[str, int | float | str]:
         engine = self.live_engine()

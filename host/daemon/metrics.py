@@ -56,6 +56,28 @@ class SampledFamily(Collector):
         return iter(())  # sampled at scrape time: nothing to check at registration
 
 
+class BoundedCounts:
+    """Counts by (name, outcome) for a counter family whose names are not known in advance (an
+    uploaded inferlet's id): the first `max_names` names get their own series, later ones count
+    as "other", so no client can grow the family without bound. Not locked: its owner locks."""
+
+    OTHER = "other"
+
+    def __init__(self, max_names: int) -> None:
+        self._max_names = max_names
+        self._names: set[str] = set()
+        self._counts: dict[LabelValues, int] = {}
+
+    def add(self, name: str, outcome: str) -> None:
+        if name not in self._names and len(self._names) < self._max_names:
+            self._names.add(name)
+        key = (name if name in self._names else self.OTHER, outcome)
+        self._counts[key] = self._counts.get(key, 0) + 1
+
+    def counts(self) -> dict[LabelValues, int]:
+        return dict(self._counts)
+
+
 class Registry:
     """The daemon's own registry (not prometheus_client's global one: tests start several
     daemons in one process)."""

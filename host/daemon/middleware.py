@@ -17,6 +17,7 @@ from typing import Any
 from prometheus_client import Histogram
 
 from host.daemon.config import DaemonConfig
+from host.daemon.console import OPEN_PATHS as CONSOLE_PATHS
 from host.daemon.errors import ApiError, Forbidden, PayloadTooLarge, Unauthorized
 from host.daemon.logs import request_id_var
 
@@ -109,7 +110,7 @@ class EdgeMiddleware:
         return self._config.max_upload_bytes if path == UPLOAD_PATH else self._config.max_request_bytes
 
     def _refusal(self, path: str, headers: dict[str, str]) -> ApiError | None:
-        if path in _OPEN_PATHS:
+        if path in _OPEN_PATHS or path in CONSOLE_PATHS:  # the console's page: its live state needs a key
             return None
         is_code = path.startswith(_CODE_PREFIXES)
         if is_code and not self._keys:

@@ -23,6 +23,7 @@ import anyio.to_thread
 from host.daemon.config import DaemonConfig
 from host.daemon.errors import DriverUnavailable, NotFound, PagesExhausted, TooManyRuns
 from host.daemon.logs import request_id_var
+from host.daemon.metrics import BoundedCounts
 from host.daemon.replica_set import AnyEngine, ReplicaSet
 from host.daemon.run_log import RunLog, bounded_text, end_event_bytes
 from host.sandbox import LoadedInferlet, RunHandle, RunOutcome, RunStatus, Sandbox
@@ -31,6 +32,10 @@ from host.sandbox.config import MIB
 log = logging.getLogger("wafer.daemon.runs")
 
 T = TypeVar("T")
+
+# Inferlets counted by name in `ended_by_inferlet` (for /metrics); any past these count as "other",
+# so uploads cannot grow the metric's series without bound.
+MAX_INFERLET_SERIES = 64
 
 
 class RunState(enum.Enum):
@@ -127,6 +132,7 @@ class RunRegistry:
         self._num_running = 0
         self._running_of: dict[str, int] = {}  # API key digest -> its runs running
         self._num_ended: dict[RunState, int] = dict.fromkeys(RunState, 0)
+        self._ended_by = BoundedCounts(MAX_INFERLET_SERIES)  # (inferlet, final state) -> runs
         self._is_draining = False
         self._run_config = config.sandbox_config()
 
@@ -239,6 +245,7 @@ class RunRegistry:
         with self._lock:
             self._release_slot(record.owner)
             self._num_ended[record.state] += 1
+            self._ended_by.add(record.inferlet, record.state.value)
             # Counted with its end event, and kept or forgotten before a follower sees that event.
             self._keep_finished(record, record.log.num_bytes + end_event_bytes(end))
         record.log.end(end)
@@ -307,6 +314,12 @@ class RunRegistry:
             out = {state.value: n for state, n in self._num_ended.items()}
             out[RunState.RUNNING.value] = self._num_running
             return out
+
+    def ended_by_inferlet(self) -> dict[tuple[str, ...], int]:
+        """Runs ended so far by (inferlet, final state), the first MAX_INFERLET_SERIES inferlets
+        by name and the rest as "other" (for /metrics)."""
+        with self._lock:
+            return self._ended_by.counts()
 
     @property
     def num_running(self) -> int:

@@ -272,6 +272,11 @@ class Engine:
         with self._lock:
             return self._core.contexts.usage(run_id)
 
+    def run_num_tokens(self, run_id: int) -> int:
+        """Tokens in the run's contexts now, each context counted whole (the daemon's console)."""
+        with self._lock:
+            return sum(self._core.pages.length(c) for c in self._core.contexts.of_run(run_id))
+
     def context_pages(self, context_id: int) -> tuple[int, ...]:
         with self._lock:
             return self._core.pages.pages(context_id)

@@ -284,6 +284,12 @@ class ReplicatedEngine:
             engine = run.engine
         return engine.run_usage(run_id)
 
+    def run_num_tokens(self, run_id: int) -> int:
+        with self._lock:
+            run = self._runs.get(run_id)
+            engine = run.engine if run is not None else None
+        return engine.run_num_tokens(run_id) if engine is not None else 0
+
     # ------------------------------------------------------------------ passes
 
     def forward(

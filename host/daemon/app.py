@@ -17,13 +17,17 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from host.daemon import console, inferlet_routes, openai_routes, ops_routes
+from host.daemon import console, inferlet_routes, messages_routes, openai_routes, ops_routes, responses_routes
 from host.daemon.banner import announce_when_ready
 from host.daemon.config import DaemonConfig
 from host.daemon.daemon import Daemon
 from host.daemon.errors import ApiError, BadRequest
+from host.daemon.messages_models import MessagesRequest
+from host.daemon.messages_render import anthropic_envelope, speaks_anthropic
 from host.daemon.middleware import EdgeMiddleware
 from host.daemon.openai_models import ChatCompletionRequest, CompletionRequest
+from host.daemon.responses_models import ResponsesRequest
+from host.daemon.responses_store import ResponseStore
 
 SWITCH_INTERVAL_S = 0.001
 
@@ -32,6 +36,8 @@ log = logging.getLogger("wafer.daemon")
 _DOCUMENTED_BODIES: tuple[type[BaseModel], ...] = (
     ChatCompletionRequest,
     CompletionRequest,
+    ResponsesRequest,
+    MessagesRequest,
     inferlet_routes.StartRun,
     inferlet_routes.RunMessage,
 )
@@ -78,8 +84,11 @@ def create_app(config: DaemonConfig, daemon: Daemon | None = None, announce: boo
         lifespan=lifespan,
     )
     app.state.daemon = daemon
+    app.state.response_store = ResponseStore()
     app.include_router(ops_routes.router)
     app.include_router(openai_routes.router)
+    app.include_router(responses_routes.router)
+    app.include_router(messages_routes.router)
     app.include_router(inferlet_routes.router)
     app.include_router(console.router)
     _add_error_handlers(app)
@@ -88,33 +97,34 @@ def create_app(config: DaemonConfig, daemon: Daemon | None = None, announce: boo
     return app
 
 
-def _error_response(error: ApiError) -> JSONResponse:
+def _error_response(request: Request, error: ApiError) -> JSONResponse:
     # The edge middleware adds X-Request-Id (and WWW-Authenticate) to every response.
-    return JSONResponse(error.envelope(), status_code=error.status)
+    envelope = anthropic_envelope(error) if speaks_anthropic(request.url.path) else error.envelope()
+    return JSONResponse(envelope, status_code=error.status)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    async def on_api_error(_request: Request, exc: Exception) -> JSONResponse:
+    async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ApiError)
-        return _error_response(exc)
+        return _error_response(request, exc)
 
-    async def on_validation(_request: Request, exc: Exception) -> JSONResponse:
+    async def on_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p not in ("path", "query", "body")]
         param = ".".join(loc) or None
-        return _error_response(BadRequest(f"Invalid value for '{param}': {first.get('msg', '')}", param=param))
+        return _error_response(request, BadRequest(f"Invalid value for '{param}': {first.get('msg', '')}", param=param))
 
-    async def on_http(_request: Request, exc: Exception) -> JSONResponse:
+    async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)
         error = ApiError(str(exc.detail))
         error.status = exc.status_code
         error.error_type = _ERROR_TYPES.get(exc.status_code, "server_error")
-        return _error_response(error)
+        return _error_response(request, error)
 
-    async def on_unexpected(_request: Request, exc: Exception) -> JSONResponse:
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error", exc_info=exc)
-        return _error_response(ApiError("internal server error; the daemon logged the details"))
+        return _error_response(request, ApiError("internal server error; the daemon logged the details"))
 
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)

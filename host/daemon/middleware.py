@@ -1,5 +1,6 @@
 """The HTTP edge, as one pure-ASGI middleware: request ids, API-key checks, body size limits,
-the access log and the latency histogram. It answers refusals itself, in the OpenAI envelope.
+the access log and the latency histogram. It answers refusals itself, in the OpenAI envelope
+(Anthropic's on the Messages routes).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from host.daemon.config import DaemonConfig
 from host.daemon.console import OPEN_PATHS as CONSOLE_PATHS
 from host.daemon.errors import ApiError, Forbidden, PayloadTooLarge, Unauthorized
 from host.daemon.logs import request_id_var
+from host.daemon.messages_render import anthropic_envelope, speaks_anthropic
 
 log = logging.getLogger("wafer.daemon.http")
 
@@ -37,14 +39,24 @@ _CODE_PREFIXES = ("/v1/inferlets", "/v1/runs")
 UPLOAD_PATH = "/v1/inferlets"
 
 
-async def send_error(send: Send, error: ApiError, request_id: str) -> None:
-    body = json.dumps(error.envelope()).encode()
+async def send_error(send: Send, error: ApiError, request_id: str, path: str) -> None:
+    envelope = anthropic_envelope(error) if speaks_anthropic(path) else error.envelope()
+    body = json.dumps(envelope).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers.append((b"x-request-id", request_id.encode()))
     if error.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def _given_key(headers: dict[str, str]) -> str:
+    """The key a request presents: `Authorization: Bearer <key>`, or `x-api-key: <key>` (how
+    Anthropic's clients send it) when there is no bearer token."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return headers.get("x-api-key", "").strip()
 
 
 class EdgeMiddleware:
@@ -77,15 +89,15 @@ class EdgeMiddleware:
             refusal = self._refusal(path, headers)
             if refusal is not None:
                 status[0] = refusal.status
-                await send_error(send, refusal, request_id)
+                await send_error(send, refusal, request_id, path)
                 return
             # Who is asking, for run ownership: a digest of the key, never the key itself.
-            scope.setdefault("state", {})["key_id"] = self._key_id(headers.get("authorization", ""))
+            scope.setdefault("state", {})["key_id"] = self._key_id(_given_key(headers))
             await self._app(scope, self._limited(receive, path), send_with_id)
         except PayloadTooLarge:
             if status[0] == 0:  # nothing sent yet: the client gets its 413
                 status[0] = 413
-                await send_error(send, PayloadTooLarge(self._limit(path)), request_id)
+                await send_error(send, PayloadTooLarge(self._limit(path)), request_id, path)
         finally:
             elapsed = time.monotonic() - started
             route = scope.get("route")
@@ -118,24 +130,22 @@ class EdgeMiddleware:
                 "inferlet endpoints are disabled: configure api_keys to upload and run inferlets",
                 code="inferlets_disabled",
             )
-        if self._keys and not self._is_key_valid(headers.get("authorization", "")):
+        if self._keys and not self._is_key_valid(_given_key(headers)):
             return Unauthorized()
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self._limit(path):
             return PayloadTooLarge(self._limit(path))
         return None
 
-    def _key_id(self, authorization: str) -> str:
+    def _key_id(self, token: str) -> str:
         if not self._keys:
             return ""
-        token = authorization.partition(" ")[2].strip()
         return hashlib.sha256(token.encode()).hexdigest()[:16]
 
-    def _is_key_valid(self, authorization: str) -> bool:
-        scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not token:
+    def _is_key_valid(self, token: str) -> bool:
+        if not token:
             return False
-        given = token.strip().encode()
+        given = token.encode()
         # Compare against every key in constant time: timing must not reveal a prefix.
         return any([hmac.compare_digest(given, key) for key in self._keys])
 

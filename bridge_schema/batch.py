@@ -26,6 +26,24 @@ class Sampler:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int = -1
+    # The chain's stages before the sampler (`Forward`'s "Sampler chain"): penalties over the
+    # context's tokens from slot `penalty_from` (presence, frequency) and `repetition_from`
+    # (repetition), only the last `penalty_last_n` (0 = all); a logit bias per token.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_from: int = 0
+    repetition_from: int = 0
+    penalty_last_n: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias), tokens strictly increasing
+    # Worked out once, at construction: `build_forward` reads them for every output of a pass.
+    has_penalties: bool = field(init=False, compare=False, repr=False)
+    has_chain: bool = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        penalties = self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        object.__setattr__(self, "has_penalties", penalties)
+        object.__setattr__(self, "has_chain", penalties or bool(self.logit_bias))
 
     @staticmethod
     def greedy() -> Sampler:
@@ -164,7 +182,44 @@ def build_forward(request_id: int, requests: Sequence[RequestSpec]) -> Forward:
         if any(o.score_token >= 0 for o in outputs)
         else _NO_SCORES,
         **per_output,
+        **(_chain_columns([o.sampler for o in outputs]) if any(o.sampler.has_chain for o in outputs) else {}),
     )
+
+
+def _chain_columns(samplers: list[Sampler]) -> dict[str, npt.NDArray[Any]]:
+    """The sampler chain's columns of a `Forward`: none when no sampler has penalties or a bias."""
+    columns: dict[str, npt.NDArray[Any]] = {}
+    if any(s.has_penalties for s in samplers):
+        penalties = [
+            (
+                s.repetition_penalty,
+                s.presence_penalty,
+                s.frequency_penalty,
+                s.penalty_from,
+                s.repetition_from,
+                s.penalty_last_n,
+            )
+            for s in samplers
+        ]
+        for (name, dtype), column in zip(PENALTY_COLUMNS, zip(*penalties, strict=True), strict=True):
+            columns[name] = np.array(column, dtype=dtype)
+    if any(s.logit_bias for s in samplers):
+        pairs = [pair for s in samplers for pair in s.logit_bias]
+        columns["logit_bias_indptr"] = _indptr([len(s.logit_bias) for s in samplers])
+        columns["logit_bias_ids"] = np.array([t for t, _ in pairs], dtype=np.uint32)
+        columns["logit_bias"] = np.array([b for _, b in pairs], dtype=np.float32)
+    return columns
+
+
+# The penalty columns of `Forward` (all [O], or all empty): (field, dtype).
+PENALTY_COLUMNS: tuple[tuple[str, type], ...] = (
+    ("repetition_penalty", np.float32),
+    ("presence_penalty", np.float32),
+    ("frequency_penalty", np.float32),
+    ("penalty_from", np.uint32),
+    ("repetition_from", np.uint32),
+    ("penalty_last_n", np.uint32),
+)
 
 
 def split_result(forward: Forward, result: ForwardResult) -> list[list[OutputResult]]:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
-from bridge_schema.batch import logit_mask_words
+from bridge_schema.batch import PENALTY_COLUMNS, logit_mask_words
 from bridge_schema.errors import FieldError, RangeError, ShapeError
 from bridge_schema.limits import Limits
 from bridge_schema.messages import (
@@ -172,6 +172,8 @@ def _check_outputs(f: Forward, n_inputs: npt.NDArray[np.int64], n_out: npt.NDArr
         raise ShapeError(f"has {len(f.score_tokens)} entries for {o} output rows (or none)", "score_tokens")
     if len(f.score_tokens) and int(f.score_tokens.min()) < -1:
         raise RangeError("must be a token id, or -1 for none", "score_tokens")
+    if len(f.repetition_penalty) or len(f.penalty_from) or len(f.logit_bias_indptr) or len(f.logit_bias):
+        _check_chain(f, o)
     if o == 0:
         return
     is_one_each = o == len(n_inputs) and int(n_out.max()) == 1  # the common decode batch
@@ -210,6 +212,33 @@ def _check_outputs(f: Forward, n_inputs: npt.NDArray[np.int64], n_out: npt.NDArr
         if not valid.all():
             raise RangeError(message, field)
     raise AssertionError("an output check failed without naming its field")
+
+
+_PENALTY_FIELDS = tuple(name for name, _ in PENALTY_COLUMNS)
+
+
+def _check_chain(f: Forward, o: int) -> None:
+    """The sampler chain's columns: the penalties all present ([O]) or all empty, finite (the
+    decoder has rejected NaN and infinity), repetition > 0; the bias a CSR over the outputs
+    whose ids rise strictly within a row (token ranges are checked against the vocabulary with
+    the limits)."""
+    lengths = {len(getattr(f, name)) for name in _PENALTY_FIELDS}
+    if lengths != {0}:
+        for name in _PENALTY_FIELDS:
+            if len(getattr(f, name)) != o:
+                raise ShapeError(f"has {len(getattr(f, name))} entries for {o} output rows (or none)", name)
+        if np.count_nonzero(f.repetition_penalty > 0) != o:
+            raise RangeError("must be > 0 (1 = off)", "repetition_penalty")
+    if len(f.logit_bias_indptr) or len(f.logit_bias_ids) or len(f.logit_bias):
+        counts = _counts("logit_bias_indptr", f.logit_bias_indptr, o, len(f.logit_bias_ids))
+        if len(f.logit_bias) != len(f.logit_bias_ids):
+            raise ShapeError(f"has {len(f.logit_bias)} entries for {len(f.logit_bias_ids)} ids", "logit_bias")
+        ids = f.logit_bias_ids.astype(np.int64)
+        if len(ids) > 1:
+            new_row = np.zeros(len(ids), dtype=bool)
+            new_row[f.logit_bias_indptr[:-1][counts > 0].astype(np.int64)] = True
+            if np.count_nonzero((ids[1:] <= ids[:-1]) & ~new_row[1:]):
+                raise ShapeError("ids must be strictly increasing within a row", "logit_bias_ids")
 
 
 def _check_limits(
@@ -256,6 +285,8 @@ def _check_limits(
         raise ShapeError(f"{len(f.logit_masks)} words is not a whole number of {words}-word masks", "logit_masks")
     if len(f.logit_mask_index) and int(f.logit_mask_index.max()) >= len(f.logit_masks) // words:
         raise RangeError("points past the last logit mask", "logit_mask_index")
+    if len(f.logit_bias_ids) and int(f.logit_bias_ids.max()) >= lim.vocab_size:
+        raise RangeError(f"token id {int(f.logit_bias_ids.max())} >= vocab size {lim.vocab_size}", "logit_bias_ids")
     if len(f.probe_k) and int(f.probe_k.max()) > lim.max_probe_k:
         raise RangeError(f"{int(f.probe_k.max())} exceeds the limit {lim.max_probe_k}", "probe_k")
 

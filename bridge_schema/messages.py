@@ -112,6 +112,8 @@ DEFERRED_TOKENS = "deferred_tokens"
 MULTI_STEP = "multi_step"
 # The most decode steps one request may ask for.
 MAX_DECODE_STEPS = 64
+# Handshake capability: the driver applies the sampler chain's stages (penalties, logit bias).
+SAMPLER_CHAIN = "sampler_chain"
 
 
 @dataclass(slots=True)
@@ -141,6 +143,20 @@ class Forward(Message):
     output with the LOGPROBS probe makes its `logprobs` value that token's log-probability
     instead of the sampled token's (the top `probe_k` are reported as usual): the logprob of a
     given continuation, e.g. each next token of a prompt. The row still samples as usual.
+
+    Sampler chain: before its logit mask and sampler, an output row's logits go through the
+    stages it has, in this order. Logit bias adds a value per listed token (-100 bans a token in
+    practice, +100 forces it). Penalties count the tokens of the row's context: those in the KV
+    slots [max(from, s + 1 - last_n), s] of the row's request, where s is the slot of the row's
+    own input token (request r's inputs fill the last of its kv_len slots, in order) and
+    `from` is `penalty_from` for the presence and frequency penalties and `repetition_from` for
+    the repetition penalty. A slot holds whatever token was written into it, by this pass or any
+    earlier one (deferred and multi-step tokens included), so the count follows forks (shared
+    and copied pages), truncation and rollback. The repetition penalty divides a positive
+    logit of every counted token by the penalty and multiplies a negative one (vLLM's and the
+    CTRL paper's rule); the presence penalty subtracts its value once from every counted token,
+    the frequency penalty its value times the token's count (OpenAI's rule). Probes report the
+    log-probabilities after the chain and the mask, before temperature.
     """
 
     TAG: ClassVar[str] = "forward"
@@ -175,6 +191,19 @@ class Forward(Message):
     deferred: U32 = array_field("<u4")  # [D] strictly increasing request indices (see above)
     steps: U32 = array_field("<u4")  # [R] decode steps per request, or empty: one each (see above)
     score_tokens: I32 = array_field("<i4")  # [O] or empty: the token a LOGPROBS row scores, -1 none
+    # Sampler chain stages applied before the logit mask and the sampler (see above). Each group
+    # is empty when no output row uses it. Penalties, per output row:
+    repetition_penalty: F32 = array_field("<f4")  # [O] or empty: > 0, 1 = off
+    presence_penalty: F32 = array_field("<f4")  # [O] or empty: 0 = off
+    frequency_penalty: F32 = array_field("<f4")  # [O] or empty: 0 = off
+    penalty_from: U32 = array_field("<u4")  # [O] or empty: first slot presence/frequency count
+    repetition_from: U32 = array_field("<u4")  # [O] or empty: first slot repetition counts
+    penalty_last_n: U32 = array_field("<u4")  # [O] or empty: only the last n slots count, 0 = all
+    # Logit bias, sparse: output o adds logit_bias[i] to token logit_bias_ids[i] for i in
+    # logit_bias_indptr[o]:logit_bias_indptr[o+1], ids strictly increasing within a row.
+    logit_bias_indptr: U32 = array_field("<u4")  # [O+1] or empty
+    logit_bias_ids: U32 = array_field("<u4")
+    logit_bias: F32 = array_field("<f4")
 
     @property
     def num_requests(self) -> int:

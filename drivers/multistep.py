@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from bridge_schema.messages import Forward, ForwardResult
+from drivers.sampler_chain import take_outputs
 
 # Per-output fields of `Forward` that a later step copies from the request's output of that step.
 _SAMPLER_FIELDS = ("sampler", "temperature", "top_k", "top_p", "min_p", "seed")
@@ -93,6 +94,9 @@ def _first_pass(
         name: getattr(f, name)[is_step0]
         for name in ("out_rows", *_SAMPLER_FIELDS, "probe", "probe_k", "logit_mask_index")
     }
+    per_output.update(take_outputs(f, np.flatnonzero(is_step0)))
+    if len(f.score_tokens):
+        per_output["score_tokens"] = f.score_tokens[is_step0]
     return Forward(
         id=f.id,
         context_ids=f.context_ids,
@@ -146,6 +150,7 @@ def _later_pass(
         probe_k=np.zeros(n, dtype=np.uint32),
         logit_mask_index=np.full(n, -1, dtype=np.int32),
         **{name: getattr(f, name)[outputs] for name in _SAMPLER_FIELDS},
+        **take_outputs(f, outputs),
     )
 
 

@@ -31,6 +31,7 @@ class ModelInfo:
     # context whose pages are all kept (a plain chat) is that long at most; one that releases
     # pages (a sliding window) may run to max_context.
     run_max_tokens: int = 0
+    max_probe_k: int = 20  # the most top tokens one probe reports (the driver's limit)
 
     @property
     def kept_context(self) -> int:

@@ -115,9 +115,13 @@ class InferletRunner:
     token each, then the end-of-text token; a grammar's or mask's refusal of the next byte falls
     back to a draw within it), or None for random tokens. The other knobs are the dummy driver's
     (vocab_size at least 260: 256 bytes and 4 special tokens; max_context, the positions a
-    context may use; pass_latency_ms, a simulated device time per pass) and the run's limits."""
+    context may use; pass_latency_ms, a simulated device time per pass) and the run's limits.
+    `logits`: the "model's" logits at every row, {token or one-character text: logit} (others
+    0), so that a sampler chain's effect can be tested: rows sample from them, after the chain,
+    as the torch driver would."""
 
     say: str | None = None
+    logits: dict[int | str, float] | None = None
     vocab_size: int = 260
     page_size: int = 16
     num_pages: int = 4096
@@ -135,6 +139,8 @@ class InferletRunner:
         args += ["--pass-latency-ms", str(self.pass_latency_ms)]
         if self.say is not None:
             args += ["--say", self.say]
+        if self.logits:
+            args += ["--logits", ",".join(f"{token}={float(value)!r}" for token, value in self.logits.items())]
         self._config = SandboxConfig(
             cache_dir=self.cache_dir, memory_limit_bytes=self.memory_mib * MIB, wall_budget_s=self.timeout_s
         )

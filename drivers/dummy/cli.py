@@ -36,7 +36,32 @@ def build_parser(listen_required: bool = True) -> argparse.ArgumentParser:
         metavar="TEXT",
         help="every context samples TEXT (its UTF-8 bytes, one token each) then end-of-text, instead of random tokens",
     )
+    parser.add_argument(
+        "--logits",
+        type=_logits,
+        default=(),
+        metavar="TOKEN=LOGIT,...",
+        help="the model's logits at every row (other tokens 0): rows sample from them, after their sampler "
+        "chain, as the torch driver would (e.g. 'h=3,i=2.5,33=1': a one-character text or a token id)",
+    )
     return parser
+
+
+def _logits(text: str) -> tuple[tuple[int, float], ...]:
+    """TOKEN=LOGIT pairs; a TOKEN of one character is its byte token, else a token id."""
+    pairs: dict[int, float] = {}
+    for item in filter(None, text.split(",")):
+        token, sep, value = item.rpartition("=")
+        if not sep or not token:
+            raise argparse.ArgumentTypeError(f"{item!r} is not TOKEN=LOGIT")
+        encoded = token.encode("utf-8")
+        try:
+            pairs[encoded[0] if len(encoded) == 1 else int(token)] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: TOKEN is one character or a token id, LOGIT a number"
+            ) from None
+    return tuple(sorted(pairs.items()))
 
 
 def create_driver(argv: list[str]) -> DummyDriver:
@@ -62,6 +87,7 @@ def _config(args: argparse.Namespace) -> DummyConfig:
         pass_latency_ms=args.pass_latency_ms,
         seed=args.seed,
         script=tuple(args.say.encode("utf-8")) if args.say is not None else (),
+        logits=args.logits,
     )
 
 

@@ -20,6 +20,7 @@ from bridge_schema.batch import logit_mask_words, unpack_allowed
 from bridge_schema.config_rules import check_prefix_match_unit
 from bridge_schema.errors import ConfigError
 from bridge_schema.messages import (
+    SAMPLER_CHAIN,
     Adapter,
     Copy,
     Forward,
@@ -31,6 +32,7 @@ from bridge_schema.messages import (
 )
 from bridge_schema.sampling import seeded_uniform
 from drivers.errors import ConfigRejected, RequestRejected
+from drivers.sampler_chain import SlotTokens, apply_chain_np, sample_row_np
 
 # The byte tokenizer's special tokens follow the 256 byte tokens.
 ENDOFTEXT, IM_START, IM_END, PAD = 256, 257, 258, 259
@@ -58,6 +60,10 @@ class DummyConfig:
     seed: int = 0
     # What every context "says": these tokens in order, then ENDOFTEXT (see DummyDriver._say).
     script: tuple[int, ...] = ()
+    # The model's logits at every row, as (token, logit) pairs (every other token's is 0). With
+    # them, or on a row with a sampler chain, a row samples from the distribution they make
+    # (after the chain and its logit mask) as the torch driver would, instead of uniformly.
+    logits: tuple[tuple[int, float], ...] = ()
 
 
 class DummyDriver:
@@ -69,6 +75,12 @@ class DummyDriver:
         self.num_pages = config.num_pages
         self._rng = np.random.default_rng(config.seed)
         self._adapters: set[int] = set()
+        self._slot_tokens = SlotTokens(0, 1)  # the token in each KV slot, made at the handshake
+        self._base_logits = np.zeros(config.vocab_size, dtype=np.float32)
+        for token, logit in config.logits:
+            if not 0 <= token < config.vocab_size or not math.isfinite(logit):
+                raise ValueError(f"logits: token {token} must be in [0, {config.vocab_size}) with a finite logit")
+            self._base_logits[token] = logit
         # With a script: per context, at each input position, the script index sampled there and
         # the token it gave (a mask may have refused the script's).
         self._said: dict[int, dict[int, tuple[int, int]]] = {}
@@ -99,6 +111,7 @@ class DummyDriver:
         # they start the script afresh.
         self._said.clear()
         self._said_last.clear()
+        self._slot_tokens = SlotTokens(self.num_pages, self.page_size)
         return Handshake(
             driver_kind="dummy",
             model_name="dummy",
@@ -111,7 +124,7 @@ class DummyDriver:
             max_mask_bytes=c.max_mask_bytes,
             max_probe_k=c.max_probe_k,
             max_fill_chunk_tokens=c.max_fill_chunk_tokens,
-            capabilities=["attention_mask", "logit_mask", "probes", "adapters", "copy"],
+            capabilities=["attention_mask", "logit_mask", "probes", "adapters", "copy", SAMPLER_CHAIN],
             tokenizer_kind="bytes",
             chat_template=CHATML_TEMPLATE,
             stop_token_ids=np.array([IM_END, ENDOFTEXT], dtype=np.uint32),
@@ -131,6 +144,7 @@ class DummyDriver:
         return result
 
     def _forward(self, f: Forward) -> ForwardResult:
+        self._slot_tokens.write(f)
         result = self._sample(f)
         if self.config.script:
             self._forget_discarded(f)
@@ -218,6 +232,8 @@ class DummyDriver:
 
         tokens = np.minimum((draws * vocab).astype(np.int64), vocab - 1).astype(np.int32)
         logprobs = np.zeros(o, dtype=np.float32)
+        if self.config.logits or len(f.repetition_penalty) or len(f.logit_bias_ids):
+            return self._sample_distribution(f, draws)
         # Only rows with a logit mask or a probe need work beyond the vectorised draw above.
         if not o or (int(f.logit_mask_index.max()) < 0 and not np.count_nonzero(f.probe)):
             self._count(f, o)
@@ -278,6 +294,59 @@ class DummyDriver:
             dists=np.concatenate(dists) if dists else np.zeros(0, np.float32),
         )
 
+    def _sample_distribution(self, f: Forward, draws: npt.NDArray[np.float64]) -> ForwardResult:
+        """Every row from the base logits (`DummyConfig.logits`) after its chain and logit mask:
+        greedy rows take a maximum (`draws` picks among ties, so uniform logits sample as
+        without them), random rows sample as the torch driver does, on `draws`."""
+        o, vocab = f.num_outputs, self.config.vocab_size
+        logits = apply_chain_np(np.broadcast_to(self._base_logits, (o, vocab)), f, self._slot_tokens)
+        words = logit_mask_words(vocab)
+        tokens = np.zeros(o, dtype=np.int32)
+        logprobs = np.zeros(o, dtype=np.float32)
+        topk_counts, dist_counts = np.zeros(o, dtype=np.int64), np.zeros(o, dtype=np.int64)
+        topk_ids: list[npt.NDArray[np.uint32]] = []
+        topk_lps: list[npt.NDArray[np.float32]] = []
+        dists: list[npt.NDArray[np.float32]] = []
+        for i in range(o):
+            row = logits[i]
+            mask_index = int(f.logit_mask_index[i])
+            if mask_index >= 0:
+                allowed = unpack_allowed(vocab, f.logit_masks[mask_index * words : (mask_index + 1) * words])
+                if not allowed.any():
+                    raise RequestRejected(f"logit mask {mask_index} allows no token", "logit_masks")
+                row = np.where(allowed, row, -np.inf).astype(np.float32)
+            if int(f.sampler[i]) == _GREEDY:
+                best = np.flatnonzero(row == row.max())
+                tokens[i] = best[min(int(draws[i] * len(best)), len(best) - 1)]
+            else:
+                t, k, p, m = float(f.temperature[i]), int(f.top_k[i]), float(f.top_p[i]), float(f.min_p[i])
+                tokens[i] = sample_row_np(row, t, k, p, m, float(draws[i]))
+            probe = int(f.probe[i])
+            if not probe:
+                continue
+            lp = (row - np.logaddexp.reduce(row.astype(np.float64))).astype(np.float32)
+            if probe & Probe.LOGPROBS:
+                scored = int(f.score_tokens[i]) if len(f.score_tokens) else -1
+                logprobs[i] = lp[scored if scored >= 0 else int(tokens[i])]
+                k = int(f.probe_k[i])
+                top = np.argsort(-lp, kind="stable")[:k]
+                topk_ids.append(top.astype(np.uint32))
+                topk_lps.append(lp[top])
+                topk_counts[i] = k
+            if probe & Probe.DISTRIBUTION:
+                dists.append(lp)
+                dist_counts[i] = vocab
+        self._count(f, o)
+        return ForwardResult(
+            tokens=tokens,
+            logprobs=logprobs,
+            topk_indptr=_indptr(topk_counts),
+            topk_ids=np.concatenate(topk_ids) if topk_ids else np.zeros(0, np.uint32),
+            topk_logprobs=np.concatenate(topk_lps) if topk_lps else np.zeros(0, np.float32),
+            dist_indptr=_indptr(dist_counts),
+            dists=np.concatenate(dists) if dists else np.zeros(0, np.float32),
+        )
+
     def _count(self, f: Forward, outputs: int) -> None:
         s = self.stats
         s["forwards"] += 1
@@ -286,6 +355,7 @@ class DummyDriver:
         s["outputs"] += outputs
 
     def copy(self, c: Copy) -> None:
+        self._slot_tokens.copy(c.src_pages, c.dst_pages)
         self.stats["copies"] += 1
         self.stats["pages_copied"] += len(c.src_pages)
 

@@ -15,8 +15,9 @@ import torch
 from bridge_schema.batch import OutputSpec, RequestSpec, build_forward
 from bridge_schema.config_rules import check_prefix_match_unit
 from bridge_schema.errors import ConfigError
-from bridge_schema.messages import Adapter, Copy, Forward, ForwardResult, Handshake, Hello
+from bridge_schema.messages import SAMPLER_CHAIN, Adapter, Copy, Forward, ForwardResult, Handshake, Hello
 from drivers.errors import ConfigRejected, RequestRejected
+from drivers.sampler_chain import SlotTokens
 from drivers.torch.batch_plan import CacheLimits, PassPlan, build_plan
 from drivers.torch.kernels import cpu_kernels
 from drivers.torch.kernels.paged_attention import PagedAttention
@@ -161,6 +162,7 @@ class TorchDriver:
                 self.compiled = CompiledModel(self.model)
         self.cache: PagedKVCache | None = None
         self.limits: CacheLimits | None = None
+        self.slot_tokens = SlotTokens(0, 1)  # the token in each KV slot, made with the cache
         self.graphs: DecodeGraphs | None = None
         self.fused: FusedDecode | None = None
         self.adapters: dict[int, LoraWeights] = {}
@@ -197,6 +199,7 @@ class TorchDriver:
         self.limits = CacheLimits(page_size, num_pages, cfg.vocab_size, max_context, o.max_probe_k)
         if fresh:
             self.fused = self._fused_decode(self.cache)
+            self.slot_tokens = SlotTokens(num_pages, page_size)
         if fresh and self.device.type == "cuda" and o.cuda_graphs and self.use_triton:
             self.graphs = DecodeGraphs(cfg, self.model, self.cache, max_context, o.max_requests_per_pass)
         if fresh and self.compiled is not None and warm_up:
@@ -221,6 +224,7 @@ class TorchDriver:
                 "adapters",
                 "copy",
                 "sliding_window",
+                SAMPLER_CHAIN,
             ],
             tokenizer_kind="huggingface" if tok is not None else "bytes",
             tokenizer_data=tok.to_str() if tok is not None else "",
@@ -336,7 +340,8 @@ class TorchDriver:
     def sample_pass(self, request: Forward, plan: PassPlan, logits: torch.Tensor, start: float) -> ForwardResult:
         """Sample the output rows' `logits` and count the pass (begun at perf_counter `start`)."""
         assert plan.sampling is not None, "a sampled pass is planned by build_plan"
-        s = sample(logits, request, plan.out_tokens_np, plan.sampling, self.generator)
+        self.slot_tokens.write(request)
+        s = sample(logits, request, plan.out_tokens_np, plan.sampling, self.generator, self.slot_tokens)
         self.stats["forwards"] = int(self.stats["forwards"]) + 1
         self.stats["tokens"] = int(self.stats["tokens"]) + len(request.tokens)
         self.stats["outputs"] = int(self.stats["outputs"]) + len(s.tokens)
@@ -380,6 +385,7 @@ class TorchDriver:
         if self.cache is None:
             raise RequestRejected("no handshake yet", "id")
         self.cache.copy_pages([int(p) for p in request.src_pages], [int(p) for p in request.dst_pages])
+        self.slot_tokens.copy(request.src_pages, request.dst_pages)
 
     def adapter(self, request: Adapter) -> None:
         if request.op == "load":

@@ -15,6 +15,7 @@ from bridge_schema.batch import logit_mask_words
 from bridge_schema.messages import Forward, Probe, SamplerKind
 from bridge_schema.sampling import seeded_uniform
 from drivers.errors import RequestRejected
+from drivers.sampler_chain import SlotTokens, bias_entries, penalty_entries
 from drivers.torch.kernels import cpu_kernels
 
 PREFILTER = 256  # random sampling considers the 256 most likely tokens; the rest carry ~0 mass
@@ -84,6 +85,36 @@ def apply_logit_masks(logits: torch.Tensor, plan: SamplingPlan) -> torch.Tensor:
     return masked
 
 
+def apply_chain(logits: torch.Tensor, fwd: Forward, slot_tokens: SlotTokens) -> torch.Tensor:
+    """`logits` [O, V] after the chain's logit bias and penalties (`drivers.sampler_chain`),
+    as sparse gathers and scatters of the touched (row, token) pairs; `logits` itself when the
+    pass has neither."""
+    if not len(fwd.logit_bias_ids) and not len(fwd.repetition_penalty):
+        return logits
+    bias, penalties = bias_entries(fwd), penalty_entries(fwd, slot_tokens)
+    if bias is None and penalties is None:
+        return logits
+    out = logits.clone()
+    device = logits.device
+
+    def tensor(values: npt.NDArray[np.generic]) -> torch.Tensor:
+        return torch.as_tensor(values, device=device)
+
+    if bias is not None:
+        assert bias.bias is not None
+        out.index_put_((tensor(bias.rows), tensor(bias.ids)), tensor(bias.bias), accumulate=True)
+    if penalties is not None:
+        e = penalties
+        assert e.counts is not None and e.repeated is not None and e.repetition is not None
+        assert e.presence is not None and e.frequency is not None
+        where = (tensor(e.rows), tensor(e.ids))
+        v = out[where]
+        repetition, counts = tensor(e.repetition), tensor(e.counts)
+        v = torch.where(tensor(e.repeated), torch.where(v > 0, v / repetition, v * repetition), v)
+        out[where] = v - tensor(e.presence) * (counts > 0) - tensor(e.frequency) * counts
+    return out
+
+
 def _uniforms(
     fwd: Forward, rows: npt.NDArray[np.int64], positions: npt.NDArray[np.int64], gen: torch.Generator
 ) -> npt.NDArray[np.float64]:
@@ -143,12 +174,14 @@ def sample(
     out_tokens: npt.NDArray[np.int64],
     plan: SamplingPlan,
     gen: torch.Generator,
+    slot_tokens: SlotTokens,
 ) -> Sampled:
     """Tokens and probe outputs for raw `logits` [O, V] of the output rows; `out_tokens` [O] are the
     rows' input tokens in the pass (their RoPE positions key the seeded draws); `plan`: the pass's
-    `plan_sampling`, made before the model ran."""
+    `plan_sampling`, made before the model ran; `slot_tokens`: the tokens the penalties count,
+    this pass's written."""
     num_out = logits.shape[0]
-    masked = apply_logit_masks(logits, plan)
+    masked = apply_logit_masks(apply_chain(logits, fwd, slot_tokens), plan)
     random_rows, probe_rows = plan.random_rows, plan.probe_rows
     if not len(random_rows):
         tokens = cpu_kernels.argmax_rows(masked)  # the first maximum, like argmax

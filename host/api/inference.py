@@ -113,6 +113,27 @@ def output(run: RunState, handle: ResourceAny, row: int, sampler: Any, probe: An
 
 
 @host_function
+def sampler_stages(run: RunState, handle: ResourceAny, row: int, logit_bias: list[Any], penalties: Any) -> None:
+    builder = pass_builder(run, handle)
+    _charge(run, builder, len(logit_bias) * 2 * _ELEMENT_BYTES)
+    for i, spec in enumerate(builder.outputs):
+        if spec.row == row:
+            stages: dict[str, Any] = {"logit_bias": tuple(sorted((int(t), float(b)) for t, b in logit_bias))}
+            if penalties is not None:
+                stages.update(
+                    repetition_penalty=float(rec_field(penalties, "repetition")),
+                    presence_penalty=float(rec_field(penalties, "presence")),
+                    frequency_penalty=float(rec_field(penalties, "frequency")),
+                    penalty_from=int(rec_field(penalties, "since")),
+                    repetition_from=int(rec_field(penalties, "repetition_since")),
+                    penalty_last_n=int(rec_field(penalties, "last_n")),
+                )
+            builder.outputs[i] = replace(spec, sampler=replace(spec.sampler, **stages))
+            return
+    raise wasmtime.WasmtimeError(f"no output on row {row}: call output() for it first")
+
+
+@host_function
 def score(run: RunState, handle: ResourceAny, row: int, token: int, probe_k: int) -> None:
     """An output on `row` that reports the logprob of `token` (the row's continuation) and the
     top `probe_k`; the row samples greedily, so its token is the model's own first choice."""
@@ -328,6 +349,7 @@ def register(instance: LinkerInstance) -> None:
     instance.add_func("[method]forward-pass.input-positions", input_positions)
     instance.add_func("[method]forward-pass.output", output)
     instance.add_func("[method]forward-pass.score", score)
+    instance.add_func("[method]forward-pass.sampler-stages", sampler_stages)
     instance.add_func("[method]forward-pass.use-adapter", use_adapter)
     instance.add_func("[method]forward-pass.attention-window", attention_window)
     instance.add_func("[method]forward-pass.attention-rows", attention_rows)

@@ -22,6 +22,7 @@ def info(run: RunState) -> Record:
         max_context=m.max_context,
         stop_tokens=list(m.stop_token_ids),
         control_tokens=list(m.control_token_ids),
+        max_probe_k=m.max_probe_k,
     )
 
 

@@ -28,7 +28,11 @@ Seed = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
 NumChoices = Annotated[StrictInt, Field(ge=1, le=MAX_N)]
 MaxTokens = Annotated[StrictInt, Field(ge=1)]
 Stop = StrictStr | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=MAX_STOP)]
-LogitBias = dict[StrictStr, Annotated[StrictInt, Field(ge=-100, le=100)]]
+LogitBias = dict[StrictStr, Annotated[StrictInt | StrictFloat, Field(ge=-100, le=100)]]
+# vLLM's extensions: > 0 (1 = off); -1 or 0 = off; [0, 1).
+RepetitionPenalty = Annotated[StrictFloat | StrictInt, Field(gt=0.0, le=100.0)]
+TopK = Annotated[StrictInt, Field(ge=-1)]
+MinP = Annotated[StrictFloat | StrictInt, Field(ge=0.0, lt=1.0)]
 Name = Annotated[StrictStr, Field(pattern=NAME_PATTERN)]
 
 
@@ -140,6 +144,10 @@ class _Sampling(_Strict):
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
     logit_bias: LogitBias | None = None
+    # vLLM's sampling extensions (SGLang and llama.cpp's server take them too).
+    repetition_penalty: RepetitionPenalty | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
     user: StrictStr | None = None
     # An extension (as in vLLM and llama.cpp's server): generate through the model's stop
     # tokens, up to max_tokens (stop strings and grammars still end a choice). For benchmarks.

@@ -25,6 +25,7 @@ from host.daemon.openai_models import (
     JsonSchemaResponseFormat,
     NamedToolChoice,
 )
+from host.engine.pass_check import MAX_LOGIT_BIAS
 from host.errors import FeatureUnavailable, HostError
 from host.services import ModelInfo, Tokenizer
 
@@ -77,7 +78,6 @@ def prepare_chat(
 ) -> Job:
     """`owner`: the API key's id, whose compiles get at most their share of the compile
     workers (host.grammar.GrammarCompiler.compile)."""
-    _check_unsupported_sampling(req.frequency_penalty, req.presence_penalty, req.logit_bias)
     grammar = _check_response_format(req, json_object_requires_json_word)
     tools_grammar, tool_call = _check_tools(req)
     if grammar is not None and tools_grammar is not None:
@@ -105,14 +105,13 @@ def prepare_chat(
     _fit_choices([len(prompt)], req.n or 1, model, "messages")
     top = req.top_logprobs or 0
     # The rendered prompt as token ids: the chat inferlet need not render and tokenize it again.
-    job = _job(req, [{"tokens": prompt}], len(prompt), max_tokens, bool(req.logprobs), top)
+    job = _job(req, model, [{"tokens": prompt}], len(prompt), max_tokens, bool(req.logprobs), top)
     if grammar is not None:
         job.args["grammar"] = grammar
     return replace(job, tool_call=tool_call) if tool_call else job
 
 
 def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Tokenizer, grammars: GrammarSource) -> Job:
-    _check_unsupported_sampling(req.frequency_penalty, req.presence_penalty, req.logit_bias)
     if req.suffix:
         raise BadRequest("suffix is not supported", param="suffix", code="unsupported_parameter")
     n = req.n or 1
@@ -152,7 +151,7 @@ def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Toke
     max_tokens = _fit_context(max(counts), limit, model.kept_context, "prompt")
     _fit_choices(counts, n, model, "prompt")
     logprobs = req.logprobs is not None
-    job = _job(req, prompts, sum(counts), max_tokens, logprobs, req.logprobs or 0)
+    job = _job(req, model, prompts, sum(counts), max_tokens, logprobs, req.logprobs or 0)
     if not req.echo:
         return job
     if logprobs:
@@ -162,6 +161,7 @@ def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Toke
 
 def _job(
     req: ChatCompletionRequest | CompletionRequest,
+    model: ModelInfo,
     prompts: list[dict[str, Any]],
     prompt_tokens: int,
     max_tokens: int,
@@ -181,6 +181,7 @@ def _job(
     }
     if req.seed is not None:
         args["seed"] = req.seed
+    args.update(_sampler_stages(req, model.vocab_size))
     if req.ignore_eos:
         args["ignore_eos"] = True
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -249,17 +250,37 @@ def _message_text(message: Any) -> str:
     return text
 
 
-def _check_unsupported_sampling(frequency: float | None, presence: float | None, bias: dict[str, int] | None) -> None:
-    if frequency:
-        raise BadRequest(
-            "frequency_penalty is not supported (only 0)", param="frequency_penalty", code="unsupported_parameter"
-        )
-    if presence:
-        raise BadRequest(
-            "presence_penalty is not supported (only 0)", param="presence_penalty", code="unsupported_parameter"
-        )
-    if bias:
-        raise BadRequest("logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
+def _sampler_stages(req: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> dict[str, Any]:
+    """The chat inferlet's arguments for the sampler chain: OpenAI's penalties and logit bias
+    (token ids checked against the vocabulary, as vLLM does), vLLM's repetition_penalty, top_k
+    (-1 or 0: off) and min_p. Only the ones that change the sampler."""
+    args: dict[str, Any] = {}
+    if req.frequency_penalty:
+        args["frequency_penalty"] = req.frequency_penalty
+    if req.presence_penalty:
+        args["presence_penalty"] = req.presence_penalty
+    if req.repetition_penalty is not None and req.repetition_penalty != 1:
+        args["repetition_penalty"] = req.repetition_penalty
+    if req.top_k is not None and req.top_k > 0:
+        args["top_k"] = req.top_k
+    if req.min_p:
+        args["min_p"] = req.min_p
+    if req.logit_bias:
+        if len(req.logit_bias) > MAX_LOGIT_BIAS:
+            raise BadRequest(
+                f"logit_bias has {len(req.logit_bias)} tokens, past the {MAX_LOGIT_BIAS} one request may bias",
+                param="logit_bias",
+            )
+        bias: dict[str, float] = {}
+        for key, value in req.logit_bias.items():
+            token = int(key) if key.strip().isdigit() else -1
+            if not 0 <= token < vocab_size:
+                raise BadRequest(
+                    f"logit_bias: token id {key!r} is not in the vocabulary [0, {vocab_size})", param="logit_bias"
+                )
+            bias[str(token)] = float(value)
+        args["logit_bias"] = bias
+    return args
 
 
 def _check_schema(schema: dict[str, Any], param: str) -> None:

@@ -58,6 +58,7 @@ class EngineCore:
             control_token_ids=tuple(int(t) for t in h.control_token_ids),
             # A longer prompt is refused up front by the OpenAI API, not failed mid-run.
             run_max_tokens=quota.run_pages * h.page_size,
+            max_probe_k=h.max_probe_k,
         )
         cache = PrefixCache() if config.prefix_match_unit else None
         pages = PageTable(h.num_pages, h.page_size, cache)

@@ -6,13 +6,14 @@ driver pass (so the scheduler never holds one it cannot place). Knows nothing of
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
 import numpy.typing as npt
 
-from bridge_schema.batch import OutputSpec, logit_mask_words
-from bridge_schema.messages import MAX_DECODE_STEPS, Handshake, Probe, SamplerKind
+from bridge_schema.batch import OutputSpec, Sampler, logit_mask_words
+from bridge_schema.messages import MAX_DECODE_STEPS, SAMPLER_CHAIN, Handshake, Probe, SamplerKind
 from host.engine.attention_masks import attends_within, window_rows
 from host.engine.pages import HOLE
 from host.engine.passes import Pass
@@ -27,6 +28,31 @@ def _bounds(values: npt.NDArray[np.int64]) -> tuple[int, int]:
         items = values.tolist()
         return min(items), max(items)
     return int(values.min()), int(values.max())
+
+
+# The most logit-bias entries one output row may carry (OpenAI's and vLLM's limit is 300).
+MAX_LOGIT_BIAS = 1024
+
+
+def _check_chain(s: Sampler, h: Handshake) -> None:
+    """The sampler chain's stages: a driver that runs them, finite values, a repetition penalty
+    > 0, a bias of distinct tokens of the vocabulary in rising order."""
+    if SAMPLER_CHAIN not in h.capabilities:
+        raise InvalidRequest(f"the {h.driver_kind} driver does not run sampler chains (penalties, logit bias)")
+    penalties = (s.repetition_penalty, s.presence_penalty, s.frequency_penalty)
+    if not all(math.isfinite(p) for p in penalties) or not s.repetition_penalty > 0:
+        raise InvalidRequest("penalties must be finite, and the repetition penalty > 0 (1 = off)")
+    if min(s.penalty_from, s.repetition_from, s.penalty_last_n) < 0:
+        raise InvalidRequest("penalty windows (from slots, last n) must be >= 0")
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"a logit bias has at most {MAX_LOGIT_BIAS} tokens, got {len(s.logit_bias)}")
+    previous = -1
+    for token, bias in s.logit_bias:
+        if not previous < token < h.vocab_size or not math.isfinite(bias):
+            raise InvalidRequest(
+                f"a logit bias lists distinct tokens of [0, {h.vocab_size}) in rising order, with finite values"
+            )
+        previous = token
 
 
 def check_request(request: PassRequest, kv_start: int, h: Handshake, adapters: set[int]) -> Pass:
@@ -61,8 +87,10 @@ def check_request(request: PassRequest, kv_start: int, h: Handshake, adapters: s
             raise InvalidRequest("temperature must be > 0 for random sampling (use greedy for 0)")
         if not (0 < s.top_p <= 1 and 0 <= s.min_p < 1 and s.top_k >= 0 and s.seed >= -1):
             raise InvalidRequest("sampler out of range: top_p in (0, 1], min_p in [0, 1), top_k >= 0, seed >= -1")
+        if s.has_chain:
+            _check_chain(s, h)
         if not 0 <= o.probe_k <= h.max_probe_k:
-            raise InvalidRequest(f"probe_k must be in [0, {h.max_probe_k}]")
+            raise InvalidRequest(f"probe_k must be in [0, {h.max_probe_k}] (model_info().max_probe_k)")
         if o.score_token >= h.vocab_size or (o.score_token >= 0 and Probe.LOGPROBS not in o.probe):
             raise InvalidRequest(f"a scored token must be in [0, {h.vocab_size}) on a row with the logprobs probe")
         if o.logit_mask is not None:

@@ -12,12 +12,19 @@ import json
 from componentize_py_types import Err
 from decoding import Branch, StopMatcher, Utf8Decoder
 from inferlet import (
+    Chain,
     Context,
     Grammar,
     Greedy,
     InferenceError,
     InferletError,
+    LogitBias,
+    MinP,
+    Penalties,
     Random,
+    Temperature,
+    TopK,
+    TopP,
     execute_together,
     model_info,
     render_chat,
@@ -36,14 +43,30 @@ def _call(fn, *args):
         raise InferletError(str(e.value)) from None
 
 
-def _sampler(req: dict, branch_index: int) -> Greedy | Random:
+def _sampler(req: dict, branch_index: int, prompt_length: int) -> Greedy | Random | Chain:
+    """The request's sampler for branch `branch_index`: a `Chain` when it has penalties, a logit
+    bias, top_k or min_p. OpenAI's presence and frequency penalties count the completion only
+    (the slots from `prompt_length` on), vLLM's repetition penalty the prompt too."""
     temperature = float(req.get("temperature", 1.0))
     top_p = float(req.get("top_p", 1.0))
-    if temperature == 0 or top_p == 0:
-        return Greedy()
+    greedy = temperature == 0 or top_p == 0
     seed = req.get("seed")
     # Branch i draws with seed + i: seeded choices are reproducible and differ from each other.
-    return Random(temperature, top_p=top_p, seed=-1 if seed is None else (int(seed) + branch_index) % (1 << 63))
+    seed = -1 if seed is None else (int(seed) + branch_index) % (1 << 63)
+    stages = []
+    bias = {int(t): float(v) for t, v in req.get("logit_bias", {}).items()}
+    if bias:
+        stages.append(LogitBias(bias))
+    repetition = float(req.get("repetition_penalty", 1.0))
+    presence, frequency = float(req.get("presence_penalty", 0.0)), float(req.get("frequency_penalty", 0.0))
+    if repetition != 1.0 or presence or frequency:
+        stages.append(Penalties(repetition, presence, frequency, since=prompt_length))
+    top_k, min_p = int(req.get("top_k", 0)), float(req.get("min_p", 0.0))
+    if not stages and not top_k and not min_p:
+        return Greedy() if greedy else Random(temperature, top_p=top_p, seed=seed)
+    if greedy:
+        return Chain(*stages, Greedy())
+    return Chain(*stages, Temperature(temperature), TopK(top_k), TopP(top_p), MinP(min_p), seed=seed)
 
 
 def _prompt_tokens(prompt: dict) -> list[int]:
@@ -79,7 +102,9 @@ def _step(branches: list[Branch], probe: _inf.Probe, probe_k: int) -> list[_inf.
     for b in branches:
         fp = _inf.ForwardPass(b.ctx)
         fp.input_tokens([b.pending])
-        fp.output(0, b.sampler, probe, probe_k)
+        fp.output(0, b.sampler.to_wit(), probe, probe_k)
+        if b.stages is not None:
+            fp.sampler_stages(0, *b.stages)
         if b.matcher is not None:
             fp.use_matcher(0, b.matcher.id())
         passes.append(fp)
@@ -107,7 +132,11 @@ def _generate_on_host(req: dict, stop_tokens: set[int], max_tokens: int) -> None
         before = len(ctx.tokens)
         try:
             done = ctx.complete(
-                max_tokens, stop=sorted(stop_tokens), sampler=_sampler(req, 0), grammar=grammar, emit_text=True
+                max_tokens,
+                stop=sorted(stop_tokens),
+                sampler=_sampler(req, 0, len(tokens)),
+                grammar=grammar,
+                emit_text=True,
             )
         except InferenceError as e:
             raise InferletError(str(e)) from None
@@ -152,7 +181,10 @@ def main(args: list[str]) -> None:
         for i in range(n):
             ctx = root if i == n - 1 else _call(root.fork)
             index = p_index * n + i
-            branch = Branch(index, ctx, tokens[-1], _sampler(req, index).to_wit(), Utf8Decoder(), StopMatcher(stops))
+            sampler = _sampler(req, index, len(tokens))
+            branch = Branch(index, ctx, tokens[-1], sampler, Utf8Decoder(), StopMatcher(stops))
+            if isinstance(sampler, Chain):
+                branch.stages = sampler.stages_to_wit()
             if grammar is not None:
                 branch.matcher = _g.Matcher(grammar)
             branches.append(branch)

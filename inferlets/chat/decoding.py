@@ -84,3 +84,4 @@ class Branch:
     num_tokens: int = 0
     finish_reason: str | None = field(default=None)
     matcher: object = field(default=None)  # a grammar matcher constraining every step, or None
+    stages: object = field(default=None)  # a Chain's (logit bias, penalties), or None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from bridge_schema.batch import OutputSpec, RequestSpec, Sampler, build_forward, pack_allowed
@@ -44,7 +46,19 @@ def sample_forward() -> Message:
                 positions=[0, 1, 2, 3, 4],
                 pages=[5, 6],
                 last_page_len=1,
-                outputs=[OutputSpec(4, Sampler.random(0.7, top_k=40, top_p=0.9, min_p=0.05, seed=11))],
+                outputs=[
+                    OutputSpec(
+                        4,
+                        dataclasses.replace(
+                            Sampler.random(0.7, top_k=40, top_p=0.9, min_p=0.05, seed=11),
+                            repetition_penalty=1.25,
+                            frequency_penalty=0.5,
+                            penalty_from=2,
+                            penalty_last_n=64,
+                            logit_bias=((12, -100.0), (30, 2.5)),
+                        ),
+                    )
+                ],
             ),
             RequestSpec(
                 context_id=4,

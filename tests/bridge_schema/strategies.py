@@ -56,14 +56,29 @@ def _generic(cls: type[Message]) -> st.SearchStrategy[Message]:
 @st.composite
 def sampler(draw: st.DrawFn) -> Sampler:
     if draw(st.booleans()):
-        return Sampler.greedy()
-    return Sampler.random(
-        temperature=draw(st.floats(0.0625, 2.0, width=32)),
-        top_k=draw(st.integers(0, 50)),
-        top_p=draw(st.floats(0.0625, 1.0, width=32)),
-        min_p=draw(st.floats(0.0, 0.875, width=32)),
-        seed=draw(st.integers(-1, 2**63 - 1)),
-    )
+        base = Sampler.greedy()
+    else:
+        base = Sampler.random(
+            temperature=draw(st.floats(0.0625, 2.0, width=32)),
+            top_k=draw(st.integers(0, 50)),
+            top_p=draw(st.floats(0.0625, 1.0, width=32)),
+            min_p=draw(st.floats(0.0, 0.875, width=32)),
+            seed=draw(st.integers(-1, 2**63 - 1)),
+        )
+    if not draw(st.integers(0, 3)):  # a chain on a quarter of the rows
+        penalty = st.floats(-2.0, 2.0, width=32)
+        bias = st.dictionaries(st.integers(0, 259), st.floats(-100.0, 100.0, width=32), max_size=4)
+        base = dataclasses.replace(
+            base,
+            repetition_penalty=draw(st.floats(0.5, 2.0, width=32)),
+            presence_penalty=draw(penalty),
+            frequency_penalty=draw(penalty),
+            penalty_from=draw(st.integers(0, 8)),
+            repetition_from=draw(st.integers(0, 8)),
+            penalty_last_n=draw(st.integers(0, 64)),
+            logit_bias=tuple(sorted(draw(bias).items())),
+        )
+    return base
 
 
 @st.composite

@@ -241,3 +241,19 @@ def test_a_context_sees_its_pages_and_the_context_length(inferlet_runner: Inferl
     assert report["room"] == 64 - 40
     assert report["generated"] == 25 and report["room_after"] == 0  # 64 positions used, one token pending
     assert "the context is full: 65 tokens, past the model's context length of 64" in result.output
+
+
+@pytest.mark.dummy(logits={"a": 3.0, "b": 2.6, "c": 2.2})
+def test_sampler_chains_through_every_sdk_path(inferlet_runner: InferletRunner) -> None:
+    """The dummy's scripted logits make each chain's greedy text exact (a 3, b 2.6, c 2.2):
+    a presence penalty of 1 gives a, b, c, then a for good; a frequency penalty of 0.5 a, b, a,
+    c, b; a +100 bias forces its token; a mask and the chain compose."""
+    result = inferlet_runner.run(str(HERE / "inferlets" / "chains"))
+    assert result.ok, result.error
+    assert result.output.splitlines() == [
+        "probe k 20",
+        "decode_step abcaa",
+        "complete abacb",
+        "decode_steps abc|zzz",
+        "masked bcb",
+    ]

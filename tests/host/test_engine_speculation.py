@@ -4,6 +4,7 @@ never change what a run generates."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 
@@ -212,3 +213,63 @@ def test_a_grammar_request_is_never_served_even_when_its_matcher_allows_every_to
     assert delta.get("speculation_hits", 0) == 0 and delta["speculation_miss_grammar"] == 1
     assert delta["speculation_skip_grammar"] == 1  # and nothing is staged from it
     engine.end_run(run)
+
+
+CHAINS = {
+    "logit_bias": {"logit_bias": ((65, 3.0), (66, 2.0), (200, -100.0))},
+    "repetition": {"repetition_penalty": 1.5},
+    "presence": {"presence_penalty": 2.0, "penalty_from": 3},
+    "frequency": {"frequency_penalty": 0.5, "penalty_last_n": 6},
+    "windows": {"frequency_penalty": 0.7, "repetition_penalty": 1.2, "repetition_from": 1, "penalty_from": 2},
+}
+
+
+@pytest.mark.parametrize("stage", sorted(CHAINS))
+def test_chains_are_pre_fired_when_equal_and_refused_when_not(stage: str, cold_engine: Engine) -> None:
+    """A sampler chain is deterministic given the tokens in the context's slots (which the driver
+    keeps, staged ones included), so staged steps with the chain serve the next steps; a step
+    whose chain differs in the stage is refused the staged result. Either way the tokens equal
+    those of an engine that stages nothing."""
+    with_chain = dataclasses.replace(Sampler.random(seed=21), **CHAINS[stage])  # type: ignore[arg-type]
+    changed = {name: (value[:1] if name == "logit_bias" else value * 2) for name, value in CHAINS[stage].items()}
+    other = dataclasses.replace(with_chain, **changed)  # type: ignore[arg-type]
+
+    def scenario(e: Engine, samplers: list[Sampler]) -> list[int]:
+        run = next(_runs)
+        ctx = e.create_context(run)
+        tokens = [step(e, run, ctx, [72, 105, 33], samplers[0])]
+        for s in samplers[1:]:
+            tokens.append(step(e, run, ctx, [tokens[-1]], s))
+        e.end_run(run)
+        return tokens
+
+    args = ["--num-pages", "256", "--page-size", str(PAGE)]
+    with Engine.start(EngineConfig("loopback", args, speculation_depth=1)) as e:
+        same = [with_chain] * 16
+        before = e.speculation_stats()
+        assert scenario(e, same) == scenario(cold_engine, same)
+        delta = stats_delta(e, before)
+        assert delta["speculation_hits"] == 14, delta  # every single-token step but the first
+        switching = [with_chain if i % 2 else other for i in range(16)]
+        before = e.speculation_stats()
+        assert scenario(e, switching) == scenario(cold_engine, switching)
+        delta = stats_delta(e, before)
+        assert delta["speculation_miss_sampler_mismatch"] == 14 and not delta.get("speculation_hits"), delta
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_penalties_count_the_tokens_of_staged_steps(depth: int) -> None:
+    """Steps sent before their input token is back: the driver writes each deferred token into
+    its slot before the penalties count it. The dummy's scripted logits make the greedy text
+    exact: with a presence penalty of 1, a (3), b (2.6), c (2.2), then a (2) for good."""
+    a, b, c = ord("a"), ord("b"), ord("c")
+    args = ["--num-pages", "256", "--page-size", str(PAGE), "--logits", "a=3,b=2.6,c=2.2"]
+    presence = dataclasses.replace(Sampler.greedy(), presence_penalty=1.0, penalty_from=3)
+    with Engine.start(EngineConfig("loopback", args, speculation_depth=depth)) as e:
+        run = next(_runs)
+        ctx = e.create_context(run)
+        tokens = [step(e, run, ctx, [72, 105, 33], presence)]
+        for _ in range(7):
+            tokens.append(step(e, run, ctx, [tokens[-1]], presence))
+        assert tokens == [a, b, c, a, a, a, a, a]
+        assert e.speculation_stats()["speculation_hits"] == 6

@@ -32,13 +32,14 @@ from inferlet.errors import InferletError
 from inferlet.grammar import Grammar, GrammarError, Matcher
 from inferlet.model import ChatMessage, ModelInfo, detokenize, model_info, render_chat, tokenize
 from inferlet.runtime import args, emit, log, receive, run_id, send
-from inferlet.sampling import Greedy, Random, Sampler
+from inferlet.sampling import Chain, Greedy, LogitBias, MinP, Penalties, Random, Sampler, Temperature, TopK, TopP
 from inferlet.text import TextDecoder
 
 __all__ = [
     "Adapter",
     "AdapterError",
     "ArgumentParser",
+    "Chain",
     "ChatMessage",
     "Completion",
     "Context",
@@ -47,13 +48,19 @@ __all__ = [
     "Greedy",
     "InferenceError",
     "InferletError",
+    "LogitBias",
     "LogitMask",
     "Matcher",
+    "MinP",
     "ModelInfo",
+    "Penalties",
     "Random",
     "Sampler",
+    "Temperature",
     "TextDecoder",
     "TokenChoice",
+    "TopK",
+    "TopP",
     "Window",
     "args",
     "decode_steps",

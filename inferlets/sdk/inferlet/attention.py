@@ -40,13 +40,28 @@ class LogitMask:
 
 
 def _runs(ids: set[int], vocab_size: int, allowed: bool) -> tuple[int, ...]:
+    """BRLE runs (false first) over the vocabulary, in O(ids log ids): `ids` are the true tokens
+    (`allowed`) or the false ones; ids outside the vocabulary are ignored."""
+    spans: list[list[int]] = []  # the ids as [start, end) spans of consecutive tokens
+    for token in sorted(t for t in ids if 0 <= t < vocab_size):
+        if spans and spans[-1][1] == token:
+            spans[-1][1] = token + 1
+        else:
+            spans.append([token, token + 1])
+    if not allowed:  # the true spans are the gaps between the forbidden ones
+        gaps, cursor = [], 0
+        for start, end in spans:
+            if start > cursor:
+                gaps.append([cursor, start])
+            cursor = end
+        if cursor < vocab_size:
+            gaps.append([cursor, vocab_size])
+        spans = gaps
     runs: list[int] = []
-    value, length = False, 0
-    for token in range(vocab_size):
-        bit = (token in ids) == allowed
-        if bit != value:
-            runs.append(length)
-            value, length = bit, 0
-        length += 1
-    runs.append(length)
+    cursor = 0
+    for start, end in spans:
+        runs += [start - cursor, end - start]
+        cursor = end
+    if cursor < vocab_size or not runs:
+        runs.append(vocab_size - cursor)
     return tuple(runs)

@@ -19,7 +19,8 @@ from inferlet.attention import LogitMask, Window
 from inferlet.checks import need_ints
 from inferlet.grammar import Grammar, Matcher
 from inferlet.model import model_info, tokenize
-from inferlet.sampling import Greedy, Random, Sampler
+from inferlet.sampling import Chain, Greedy, Random, Sampler
+from inferlet.sampling import output as _output
 from inferlet.text import TextDecoder
 
 _NO_PROBE = _inf.Probe(0)
@@ -196,7 +197,7 @@ class Context:
             self._constrain(fp)
             self._attend(fp, len(tokens), attention_rows)
             for row, sampler, probe, k in outputs:
-                fp.output(row, sampler.to_wit(), probe, k)
+                _output(fp, row, sampler, probe, k)
             return _call(fp.execute)
 
     def _constrain(self, fp: _inf.ForwardPass) -> None:
@@ -238,7 +239,7 @@ class Context:
         except InferenceError:
             fp.__exit__(None, None, None)
             raise
-        fp.output(len(todo) - 1, sampler.to_wit(), probe, k)
+        _output(fp, len(todo) - 1, sampler, probe, k)
         if logit_mask is not None:
             fp.logit_mask(len(todo) - 1, list(logit_mask.runs))
         if matcher is not None:
@@ -278,6 +279,7 @@ class Context:
         if not todo:
             raise InferenceError("nothing to predict from: fill() the context first")
         constrained = logit_mask is not None or matcher is not None or attention_rows is not None
+        constrained = constrained or isinstance(sampler, Chain)
         if self.adapter is None and self.attention is None and not constrained:
             self._check_fits()
             token = _call(_inf.decode, self._live(), todo, sampler.to_wit())
@@ -308,7 +310,7 @@ class Context:
             fp.input_tokens(todo + draft)
             self._constrain(fp)
             for j in range(len(draft) + 1):
-                fp.output(first_row + j, sampler.to_wit(), _NO_PROBE, 0)
+                _output(fp, first_row + j, sampler, _NO_PROBE, 0)
                 if matcher is not None:
                     state = matcher.fork() if j == 0 else forks[-1].fork()
                     if j:
@@ -446,7 +448,7 @@ SamplerChoice = Sampler | Sequence[Sampler]
 
 
 def _samplers(contexts: list[Context], sampler: SamplerChoice) -> list[Sampler]:
-    if isinstance(sampler, (Greedy, Random)):
+    if isinstance(sampler, (Greedy, Random, Chain)):
         return [sampler] * len(contexts)
     samplers = list(sampler)
     if len(samplers) != len(contexts):
@@ -468,8 +470,9 @@ def decode_steps(contexts: list[Context], sampler: SamplerChoice = GREEDY) -> li
     running one after another. `sampler`: one for all, or one per context (a seeded `Random`
     each for best-of-n, say). Returns one token per context, in order."""
     samplers = _samplers(contexts, sampler)
-    if all(c.adapter is None and c.attention is None for c in contexts):
-        return _decode_plain(contexts, sampler if isinstance(sampler, (Greedy, Random)) else samplers)
+    plain = all(isinstance(s, (Greedy, Random)) for s in samplers)
+    if plain and all(c.adapter is None and c.attention is None for c in contexts):
+        return _decode_plain(contexts, sampler if isinstance(sampler, (Greedy, Random)) else samplers)  # type: ignore[arg-type]
     return [choice.token for choice in _decode_all(contexts, samplers, _NO_PROBE)]
 
 

@@ -15,6 +15,7 @@ class ModelInfo:
     max_context: int
     stop_tokens: tuple[int, ...]
     control_tokens: tuple[int, ...]
+    max_probe_k: int  # the most top tokens one probe (`ctx.top_k`, logprobs) may report
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ def model_info() -> ModelInfo:
             max_context=raw.max_context,
             stop_tokens=tuple(raw.stop_tokens),
             control_tokens=tuple(raw.control_tokens),
+            max_probe_k=raw.max_probe_k,
         )
     return _info
 

@@ -43,4 +43,151 @@ class Random:
         return _inf.Sampler(_inf.SamplerKind.RANDOM, self.temperature, self.top_k, self.top_p, self.min_p, self.seed)
 
 
-Sampler = Greedy | Random
+_Stages = tuple[list[tuple[int, float]], "_inf.Penalties | None"]
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """Penalties over the tokens already in the context, applied in the driver before the draw.
+    `repetition` divides the positive logit (multiplies the negative one) of every token seen
+    since slot `repetition_since` (1: off; vLLM's repetition_penalty); `presence` is subtracted
+    once and `frequency` once per occurrence from every token seen since slot `since` (0: off;
+    OpenAI's penalties count the completion only: pass `since=len(ctx)` before generating).
+    `last_n` > 0 counts only the last n slots (llama.cpp's penalty_last_n)."""
+
+    repetition: float = 1.0
+    presence: float = 0.0
+    frequency: float = 0.0
+    since: int = 0
+    repetition_since: int = 0
+    last_n: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("repetition", "presence", "frequency"):
+            need(getattr(self, name), (float, int), f"Penalties' {name}")
+        for name in ("since", "repetition_since", "last_n"):
+            need(getattr(self, name), int, f"Penalties' {name}")
+        if not self.repetition > 0 or min(self.since, self.repetition_since, self.last_n) < 0:
+            raise ValueError("need repetition > 0 and since, repetition_since, last_n >= 0")
+
+    def to_wit(self) -> _inf.Penalties:
+        return _inf.Penalties(
+            self.repetition, self.presence, self.frequency, self.since, self.repetition_since, self.last_n
+        )
+
+
+@dataclass(frozen=True)
+class LogitBias:
+    """Add a value to some tokens' logits before the draw: {token: value}; -100 bans a token in
+    practice, +100 forces it."""
+
+    bias: dict[int, float]
+
+    def __post_init__(self) -> None:
+        need(self.bias, dict, "LogitBias' bias")
+        for token, value in self.bias.items():
+            need(token, int, "a LogitBias token")
+            need(value, (float, int), "a LogitBias value")
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self.bias.items())))
+
+
+@dataclass(frozen=True, init=False)
+class Chain:
+    """Samplers that compose: stages the driver applies to a row's logits, then the draw, e.g.
+    `Chain(Penalties(frequency=0.5), TopK(40), MinP(0.05), Temperature(0.8), seed=7)`. Stages:
+    `LogitBias`, `Penalties`, `Temperature`, `TopK`, `TopP`, `MinP`, and `Greedy()` for the most
+    likely token instead of a random draw. The driver runs them in one fixed order whatever the
+    order given: logit bias, penalties, the logit mask, temperature, top-k, top-p, min-p; so
+    `Chain(Temperature(t), TopK(k))` and `Chain(TopK(k), Temperature(t))` are the same sampler.
+    Everything runs in the driver, batched over rows and pre-fired by the speculator like a
+    plain sampler."""
+
+    stages: tuple[object, ...]
+    seed: int
+
+    def __init__(self, *stages: object, seed: int = -1) -> None:
+        need(seed, int, "Chain's seed")
+        kinds = (LogitBias, Penalties, Temperature, TopK, TopP, MinP, Greedy)
+        for stage in stages:
+            if not isinstance(stage, kinds):
+                raise TypeError(f"a Chain stage is one of {', '.join(k.__name__ for k in kinds)}, not {stage!r}")
+        for kind in kinds:
+            if sum(isinstance(stage, kind) for stage in stages) > 1:
+                raise ValueError(f"a Chain has at most one {kind.__name__}")
+        object.__setattr__(self, "stages", tuple(stages))
+        object.__setattr__(self, "seed", seed)
+
+    def _get(self, kind: type, default: object) -> object:
+        return next((stage for stage in self.stages if isinstance(stage, kind)), default)
+
+    def to_wit(self) -> _inf.Sampler:
+        if any(isinstance(stage, Greedy) for stage in self.stages):
+            return Greedy().to_wit()
+        return Random(
+            temperature=self._get(Temperature, Temperature()).value,  # type: ignore[attr-defined]
+            top_k=self._get(TopK, TopK(0)).value,  # type: ignore[attr-defined]
+            top_p=self._get(TopP, TopP(1.0)).value,  # type: ignore[attr-defined]
+            min_p=self._get(MinP, MinP(0.0)).value,  # type: ignore[attr-defined]
+            seed=self.seed,
+        ).to_wit()
+
+    def stages_to_wit(self) -> _Stages | None:
+        bias = self._get(LogitBias, None)
+        penalties = self._get(Penalties, None)
+        if bias is None and penalties is None:
+            return None
+        pairs = sorted(bias.bias.items()) if isinstance(bias, LogitBias) else []
+        return [(int(t), float(v)) for t, v in pairs], penalties.to_wit() if isinstance(penalties, Penalties) else None
+
+
+@dataclass(frozen=True)
+class Temperature:
+    value: float = 1.0
+
+    def __post_init__(self) -> None:
+        need(self.value, (float, int), "Temperature")
+        if not self.value > 0:
+            raise ValueError("Temperature must be positive (put Greedy() in the chain for temperature 0)")
+
+
+@dataclass(frozen=True)
+class TopK:
+    value: int
+
+    def __post_init__(self) -> None:
+        need(self.value, int, "TopK")
+        if self.value < 0:
+            raise ValueError("TopK must be >= 0 (0: off)")
+
+
+@dataclass(frozen=True)
+class TopP:
+    value: float
+
+    def __post_init__(self) -> None:
+        need(self.value, (float, int), "TopP")
+        if not 0 < self.value <= 1:
+            raise ValueError("TopP must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class MinP:
+    value: float
+
+    def __post_init__(self) -> None:
+        need(self.value, (float, int), "MinP")
+        if not 0 <= self.value < 1:
+            raise ValueError("MinP must be in [0, 1)")
+
+
+Sampler = Greedy | Random | Chain
+
+
+def output(fp: _inf.ForwardPass, row: int, sampler: Sampler, probe: _inf.Probe, k: int) -> None:
+    """Ask `fp` for an output on `row` sampled by `sampler` (with a chain's stages)."""
+    fp.output(row, sampler.to_wit(), probe, k)
+    stages = sampler.stages_to_wit() if isinstance(sampler, Chain) else None
+    if stages is not None:
+        fp.sampler_stages(row, *stages)

@@ -1,0 +1,190 @@
+"""The sampler chain's stages before the sampler (`Forward`'s "Sampler chain"), shared by every
+driver: the token in every KV slot (`SlotTokens`, what the penalties count), the stages' work as
+flat per-entry arrays, and plain numpy versions of every stage and of the sampler (the dummy
+driver's path, and the reference the torch driver is tested against).
+
+A driver keeps a `SlotTokens` beside its KV cache: `write` each pass before it runs, `copy`
+with the pages. The penalties then need no state per context: a fork shares or copies its
+parent's pages, a truncation or rollback shortens kv_len, and a new host re-fills its pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from bridge_schema.batch import PENALTY_COLUMNS
+from bridge_schema.messages import Forward
+
+I64 = npt.NDArray[np.int64]
+F32 = npt.NDArray[np.float32]
+
+
+def _kv_lens(f: Forward, page_size: int) -> I64:
+    n_pages = np.diff(f.page_indptr.astype(np.int64))
+    return (n_pages - 1) * page_size + f.last_page_len.astype(np.int64)
+
+
+def _flat_slots(f: Forward, request: int, slots: I64, page_size: int) -> I64:
+    """Indices into a `SlotTokens` table of `request`'s KV `slots`."""
+    first_page = int(f.page_indptr[request])
+    return f.pages[first_page + slots // page_size].astype(np.int64) * page_size + slots % page_size
+
+
+class SlotTokens:
+    """The token written into each KV slot, -1 where none has been."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        self.page_size = page_size
+        self.table = np.full(num_pages * page_size, -1, dtype=np.int32)
+
+    def write(self, f: Forward) -> None:
+        """Record `f`'s input tokens at their slots: request r's fill the last of its kv_len
+        (a single-step `Forward`: `drivers.multistep` splits the others before a driver runs)."""
+        ps = self.page_size
+        token_ptr = f.token_indptr.astype(np.int64)
+        n_tokens = np.diff(token_ptr)
+        request = np.repeat(np.arange(len(n_tokens)), n_tokens)
+        slot = (_kv_lens(f, ps) - n_tokens)[request] + np.arange(len(f.tokens)) - token_ptr[request]
+        page = f.pages[f.page_indptr[request].astype(np.int64) + slot // ps].astype(np.int64)
+        self.table[page * ps + slot % ps] = f.tokens
+
+    def copy(self, src_pages: npt.ArrayLike, dst_pages: npt.ArrayLike) -> None:
+        view = self.table.reshape(-1, self.page_size)
+        view[np.asarray(dst_pages, dtype=np.int64)] = view[np.asarray(src_pages, dtype=np.int64)]
+
+
+@dataclass(slots=True)
+class Entries:
+    """Per (output row, token) pair a stage touches: the row, the token, and what to do to it.
+    Pairs are distinct, so a scatter writes each logit once."""
+
+    rows: I64
+    ids: I64
+    # Logit bias: the value to add. Penalties: the counts in the presence/frequency window, whether
+    # the token is in the repetition window, and the row's three penalties.
+    bias: F32 | None = None
+    counts: F32 | None = None
+    repeated: npt.NDArray[np.bool_] | None = None
+    repetition: F32 | None = None
+    presence: F32 | None = None
+    frequency: F32 | None = None
+
+
+def bias_entries(f: Forward) -> Entries | None:
+    if not len(f.logit_bias_ids):
+        return None
+    counts = np.diff(f.logit_bias_indptr.astype(np.int64))
+    rows = np.repeat(np.arange(len(counts)), counts)
+    return Entries(rows, f.logit_bias_ids.astype(np.int64), bias=f.logit_bias)
+
+
+def penalty_entries(f: Forward, tokens: SlotTokens) -> Entries | None:
+    """The penalties' pairs: per output row with a penalty, every token in its windows."""
+    if not len(f.repetition_penalty):
+        return None
+    active = np.flatnonzero(
+        (f.repetition_penalty != 1) | (f.presence_penalty != 0) | (f.frequency_penalty != 0)
+    ).tolist()
+    if not active:
+        return None
+    ps = tokens.page_size
+    out_ptr = f.out_indptr.astype(np.int64)
+    request_of = np.repeat(np.arange(len(out_ptr) - 1), np.diff(out_ptr))
+    first_slot = _kv_lens(f, ps) - np.diff(f.token_indptr.astype(np.int64))
+    parts: list[tuple[int, I64, F32, npt.NDArray[np.bool_]]] = []
+    for o in active:
+        r = int(request_of[o])
+        s = int(first_slot[r]) + int(f.out_rows[o])
+        last_n = int(f.penalty_last_n[o])
+        recent = s + 1 - last_n if last_n else 0
+        lo_pf, lo_rep = max(int(f.penalty_from[o]), recent), max(int(f.repetition_from[o]), recent)
+        lo = min(lo_pf, lo_rep)
+        if lo > s:
+            continue
+        slots = np.arange(lo, s + 1, dtype=np.int64)
+        seen = tokens.table[_flat_slots(f, r, slots, ps)]
+        written = seen >= 0
+        ids, inverse = np.unique(seen[written], return_inverse=True)
+        slots = slots[written]
+        counts = np.bincount(inverse, weights=slots >= lo_pf, minlength=len(ids)).astype(np.float32)
+        repeated = np.bincount(inverse, weights=slots >= lo_rep, minlength=len(ids)) > 0
+        parts.append((o, ids.astype(np.int64), counts, repeated))
+    if not parts:
+        return None
+    sizes = [len(p[1]) for p in parts]
+    rows = np.repeat(np.array([p[0] for p in parts], dtype=np.int64), sizes)
+    return Entries(
+        rows,
+        np.concatenate([p[1] for p in parts]),
+        counts=np.concatenate([p[2] for p in parts]),
+        repeated=np.concatenate([p[3] for p in parts]),
+        repetition=f.repetition_penalty[rows],
+        presence=f.presence_penalty[rows],
+        frequency=f.frequency_penalty[rows],
+    )
+
+
+def penalized(values: F32, e: Entries) -> F32:
+    """`values` (the entries' logits) after the penalties."""
+    assert e.counts is not None and e.repeated is not None and e.repetition is not None
+    assert e.presence is not None and e.frequency is not None
+    by_repetition = np.where(values > 0, values / e.repetition, values * e.repetition)
+    values = np.where(e.repeated, by_repetition, values)
+    return values - e.presence * (e.counts > 0) - e.frequency * e.counts  # type: ignore[no-any-return]
+
+
+def take_outputs(f: Forward, outputs: I64) -> dict[str, npt.NDArray[np.generic]]:
+    """The chain's columns for a `Forward` of `f`'s output rows `outputs`, in that order (the
+    columns of a group `f` leaves empty stay empty)."""
+    columns: dict[str, npt.NDArray[np.generic]] = {}
+    if len(f.repetition_penalty):
+        for name in PENALTY_FIELDS:
+            columns[name] = getattr(f, name)[outputs]
+    if len(f.logit_bias_indptr):
+        ptr = f.logit_bias_indptr.astype(np.int64)
+        picks = [np.arange(ptr[o], ptr[o + 1]) for o in outputs.tolist()]
+        index = np.concatenate(picks) if picks else np.zeros(0, np.int64)
+        columns["logit_bias_indptr"] = np.concatenate(([0], np.cumsum(ptr[outputs + 1] - ptr[outputs]))).astype(
+            np.uint32
+        )
+        columns["logit_bias_ids"] = f.logit_bias_ids[index]
+        columns["logit_bias"] = f.logit_bias[index]
+    return columns
+
+
+PENALTY_FIELDS = tuple(name for name, _ in PENALTY_COLUMNS)
+
+
+def apply_chain_np(logits: F32, f: Forward, tokens: SlotTokens) -> F32:
+    """The plain version: `logits` [O, V] after the logit bias and the penalties (a copy)."""
+    out = np.array(logits, dtype=np.float32)
+    bias = bias_entries(f)
+    if bias is not None:
+        assert bias.bias is not None
+        out[bias.rows, bias.ids] += bias.bias
+    penalties = penalty_entries(f, tokens)
+    if penalties is not None:
+        out[penalties.rows, penalties.ids] = penalized(out[penalties.rows, penalties.ids], penalties)
+    return out
+
+
+def sample_row_np(logits: F32, temperature: float, top_k: int, top_p: float, min_p: float, u: float) -> int:
+    """The plain random sampler on one row: temperature, then top-k, top-p (the mass of the
+    strictly more likely tokens below top_p; the first always kept) and min-p (against the most
+    likely), then the token where the kept mass's CDF passes u * total."""
+    order = np.argsort(-logits, kind="stable")
+    scaled = logits[order].astype(np.float64) / temperature
+    finite = np.isfinite(scaled)
+    probs = np.zeros_like(scaled)
+    probs[finite] = np.exp(scaled[finite] - scaled[0])
+    probs /= probs.sum()
+    rank = np.arange(len(probs))
+    keep = (rank < top_k) if top_k else np.ones(len(probs), dtype=bool)
+    keep &= (np.cumsum(probs) - probs < top_p) | (rank == 0)
+    keep &= probs >= min_p * probs[0]
+    cdf = np.cumsum(np.where(keep, probs, 0.0))
+    pick = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    return int(order[min(pick, len(order) - 1)])

@@ -1,0 +1,163 @@
+"""The sampler chain's stages before the sampler (logit bias, penalties) as every driver shares
+them (`drivers.sampler_chain`), and on the dummy driver: the token in each KV slot follows
+writes, copies and truncation; the penalties' windows; bias that bans and forces; a scripted
+distribution (`--logits`) sampled as the torch driver would; multi-step requests with a chain."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from bridge_schema.batch import OutputSpec, RequestSpec, Sampler, build_forward, split_result
+from bridge_schema.messages import Hello, Probe
+from drivers.dummy.cli import create_driver
+from drivers.dummy.driver import DummyConfig, DummyDriver
+from drivers.multistep import run_steps
+from drivers.sampler_chain import SlotTokens, apply_chain_np, penalty_entries, sample_row_np
+
+PS = 4
+A, B, C = ord("a"), ord("b"), ord("c")
+
+
+def _request(tokens: list[int], pages: list[int], kv_len: int, sampler: Sampler, **kw: object) -> RequestSpec:
+    n = len(tokens)
+    return RequestSpec(
+        context_id=int(kw.pop("context_id", 1)),  # type: ignore[call-overload]
+        tokens=tokens,
+        positions=list(range(kv_len - n, kv_len)),
+        pages=pages,
+        last_page_len=kv_len - (len(pages) - 1) * PS,
+        outputs=[OutputSpec(n - 1, sampler)],
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def _penalties(**kw: float) -> Sampler:
+    return dataclasses.replace(Sampler.greedy(), **kw)
+
+
+def _counts(table: SlotTokens, spec: RequestSpec) -> dict[int, tuple[float, bool]]:
+    """What the penalties see for `spec`'s output: token -> (count, in the repetition window)."""
+    f = build_forward(1, [spec])
+    table.write(f)
+    e = penalty_entries(f, table)
+    assert e is not None and e.counts is not None and e.repeated is not None
+    return {int(t): (float(c), bool(r)) for t, c, r in zip(e.ids, e.counts, e.repeated, strict=True)}
+
+
+def test_slot_tokens_follow_writes_copies_and_truncation() -> None:
+    table = SlotTokens(num_pages=8, page_size=PS)
+    s = _penalties(frequency_penalty=1.0)
+    # A prompt of 6 tokens over pages 2, 5: the row at slot 5 counts slots 0..5.
+    counts = _counts(table, _request([A, B, A, C, A, B], [2, 5], 6, s))
+    assert counts == {A: (3, True), B: (2, True), C: (1, True)}
+    # The next decode step writes slot 6 (the deferred-like new token) and counts it.
+    assert _counts(table, _request([C], [2, 5], 7, s))[C] == (2, True)
+    # A rollback to 4 slots rewrites slot 3: slots 4..6 no longer count.
+    assert _counts(table, _request([B], [2, 5], 4, s)) == {A: (2, True), B: (2, True)}
+    # A fork shares page 2 and copies the partial page 5 to 7: it counts its parent's tokens.
+    table.copy([5], [7])
+    assert _counts(table, _request([C], [2, 7], 5, s, context_id=2)) == {A: (2, True), B: (2, True), C: (1, True)}
+
+
+def test_penalty_windows() -> None:
+    table = SlotTokens(num_pages=8, page_size=PS)
+    tokens = [A, A, B, C, B, A]  # slots 0..5
+    # Presence/frequency from slot 3 (the "generated" part), repetition over all.
+    s = _penalties(presence_penalty=0.5, repetition_penalty=1.5, penalty_from=3)
+    assert _counts(table, _request(tokens, [0, 1], 6, s)) == {A: (1, True), B: (1, True), C: (1, True)}
+    s = _penalties(presence_penalty=0.5, repetition_penalty=1.5, penalty_from=3, repetition_from=5)
+    assert _counts(table, _request(tokens, [0, 1], 6, s)) == {A: (1, True), B: (1, False), C: (1, False)}
+    s = _penalties(frequency_penalty=0.5, penalty_last_n=2)  # slots 4, 5
+    assert _counts(table, _request(tokens, [0, 1], 6, s)) == {A: (1, True), B: (1, True)}
+
+
+def test_apply_chain_np_rules() -> None:
+    table = SlotTokens(num_pages=4, page_size=PS)
+    s = dataclasses.replace(
+        Sampler.greedy(),
+        repetition_penalty=2.0,
+        presence_penalty=0.25,
+        frequency_penalty=0.5,
+        logit_bias=((C, 1.0), (200, -100.0)),
+    )
+    f = build_forward(1, [_request([A, A, B], [0], 3, s)])
+    table.write(f)
+    logits = np.zeros((1, 260), dtype=np.float32)
+    logits[0, [A, B, C, 200]] = [4.0, -2.0, 1.0, 5.0]
+    out = apply_chain_np(logits, f, table)[0]
+    # a: 4 / 2 - 0.25 - 2 * 0.5; b: -2 * 2 - 0.25 - 0.5; c: 1 + 1 (biased, not in the context).
+    assert out[[A, B, C, 200]].tolist() == [0.75, -4.75, 2.0, -95.0]
+    assert np.count_nonzero(out) == 4
+
+
+def _dummy(**config: object) -> DummyDriver:
+    driver = DummyDriver(DummyConfig(page_size=PS, num_pages=32, **config))  # type: ignore[arg-type]
+    driver.handshake(Hello())
+    return driver
+
+
+def _tokens(driver: DummyDriver, specs: list[RequestSpec]) -> list[int]:
+    f = build_forward(1, specs)
+    return [o.token for outs in split_result(f, driver.forward(f)) for o in outs]
+
+
+@pytest.mark.parametrize("random", [False, True])
+def test_bias_bans_and_forces_on_the_dummy(random: bool) -> None:
+    driver = _dummy()
+    base = Sampler.random(temperature=1.0, seed=3) if random else Sampler.greedy()
+    forced = dataclasses.replace(base, logit_bias=((B, 100.0),))
+    assert _tokens(driver, [_request([A, A], [0], 2, forced)]) == [B]
+    # Banning all but two tokens leaves those two (uniform logits: the draw picks between them).
+    banned = dataclasses.replace(base, logit_bias=tuple((t, -100.0) for t in range(260) if t not in (A, C)))
+    picks = {
+        _tokens(driver, [_request([t, t], [1], 2, dataclasses.replace(banned, seed=t if random else -1))])[0]
+        for t in range(40)
+    }
+    assert picks <= {A, C} and (picks == {A, C} or not random)
+
+
+def test_scripted_logits_sample_as_the_reference() -> None:
+    logits = ((A, 3.0), (B, 2.5), (C, 2.0), (7, 1.0))
+    driver = _dummy(logits=logits)
+    row = np.zeros(260, dtype=np.float32)
+    for t, v in logits:
+        row[t] = v
+    assert _tokens(driver, [_request([1, 2], [0], 2, Sampler.greedy())]) == [A]
+    for seed in range(12):
+        s = Sampler.random(temperature=0.7, top_k=3, top_p=0.95, min_p=0.1, seed=seed)
+        got = _tokens(driver, [_request([1, 2], [0], 2, s)])[0]
+        from bridge_schema.sampling import seeded_uniform
+
+        assert got == sample_row_np(row, 0.7, 3, 0.95, 0.1, float(seeded_uniform([seed], [1])[0]))
+    # Probes report the distribution after the chain.
+    f = build_forward(1, [RequestSpec(1, [1, 2], [0, 1], [0], 2, [OutputSpec(1, probe=Probe.LOGPROBS, probe_k=2)])])
+    out = split_result(f, driver.forward(f))[0][0]
+    assert out.topk_ids.tolist() == [A, B]
+    expect = 3.0 - np.log(np.exp(row.astype(np.float64)).sum())
+    assert out.logprob == pytest.approx(expect, abs=1e-5)
+
+
+def test_penalties_steer_the_dummy_alone_and_in_multi_step() -> None:
+    driver = _dummy(logits=((A, 3.0), (B, 2.6), (C, 2.2)))
+    presence = _penalties(presence_penalty=1.0, penalty_from=1)
+    # One step at a time: a, then b (a is down to 2), then c, then a again (presence counts once).
+    said: list[int] = []
+    for step in range(4):
+        tokens = [0, *said]  # the prompt's one token, then each sample fed back
+        pages = list(range((len(tokens) + PS - 1) // PS))
+        said += _tokens(driver, [_request(tokens, pages, len(tokens), presence, context_id=step + 10)])
+    assert said == [A, B, C, A]
+    # The same as one multi-step request: the driver's own samples count as they are written.
+    spec = RequestSpec(5, [0], [0], [8, 9], 4, [OutputSpec(j, presence) for j in range(4)], steps=4)
+    f = build_forward(2, [spec])
+    assert run_steps(driver.forward, f, PS).tokens.tolist() == said
+
+
+def test_dummy_logits_flag() -> None:
+    driver = create_driver(["--logits", "a=2,33=1.5,b=-1"])
+    assert driver.config.logits == ((33, 1.5), (A, 2.0), (B, -1.0))
+    with pytest.raises(SystemExit):
+        create_driver(["--logits", "a:2"])

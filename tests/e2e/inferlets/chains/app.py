@@ -1,0 +1,38 @@
+"""chains (tests): sampler chains through every SDK path that takes a sampler. Emits one line
+per path: the tokens' text."""
+
+from inferlet import (
+    Chain,
+    Context,
+    Greedy,
+    LogitBias,
+    LogitMask,
+    Penalties,
+    decode_steps,
+    detokenize,
+    emit,
+    model_info,
+)
+
+
+def main(args: list[str]) -> None:
+    info = model_info()
+    emit(f"probe k {info.max_probe_k}\n")
+    with Context() as ctx:
+        ctx.fill("xyz")
+        no_repeat = Chain(Penalties(presence=1.0, since=len(ctx)), Greedy())
+        emit("decode_step " + detokenize([ctx.decode_step(no_repeat) for _ in range(5)]) + "\n")
+    with Context() as ctx:
+        ctx.fill("xyz")
+        done = ctx.complete(5, stop=[], sampler=Chain(Penalties(frequency=0.5, since=len(ctx)), Greedy()))
+        emit("complete " + detokenize(done.tokens) + "\n")
+    with Context() as a, Context() as b:
+        a.fill("xyz")
+        b.fill("xyz")
+        samplers = [no_repeat, Chain(LogitBias({ord("z"): 100.0}), Greedy())]
+        steps = [decode_steps([a, b], samplers) for _ in range(3)]
+        emit("decode_steps " + "|".join(detokenize(list(col)) for col in zip(*steps, strict=True)) + "\n")
+    with Context() as ctx:
+        ctx.fill("xyz")
+        mask = LogitMask.forbid([ord("a")], info.vocab_size)
+        emit("masked " + detokenize([ctx.decode_step(no_repeat, logit_mask=mask) for _ in range(3)]) + "\n")

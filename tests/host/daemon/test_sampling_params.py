@@ -1,0 +1,106 @@
+"""OpenAI's frequency_penalty, presence_penalty and logit_bias, and vLLM's repetition_penalty,
+top_k and min_p, through the real `openai` client: the daemon's dummy driver samples from
+scripted logits (`--logits`), so each parameter's effect on the text is exact. The chat inferlet
+passes them as a sampler chain that the driver runs (bridge_schema's "Sampler chain")."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from tests.host.daemon.conftest import Server, _free_port, serving
+
+# The dummy's model prefers a, then b, then c; every other token has logit 0.
+LOGITS = "a=3,b=2.6,c=2.2"
+
+
+@pytest.fixture(scope="module")
+def scripted(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    config = dataclasses.replace(
+        server.config,
+        port=_free_port(),
+        driver_args=("--max-context", "512", "--logits", LOGITS),
+        data_dir=tmp_path_factory.mktemp("sampling-data"),
+    )
+    with serving(config, server.echo_wasm) as srv:
+        yield srv
+
+
+def _complete(srv: Server, prompt: str = "xyz", **params: object) -> str:
+    extra = {k: params.pop(k) for k in ("repetition_penalty", "top_k", "min_p") if k in params}
+    params.setdefault("temperature", 0)
+    response = srv.client().completions.create(
+        model="dummy",
+        prompt=prompt,
+        max_tokens=5,
+        extra_body=extra or None,
+        **params,  # type: ignore[arg-type]
+    )
+    return response.choices[0].text
+
+
+def test_without_parameters_the_favourite_repeats(scripted: Server) -> None:
+    assert _complete(scripted) == "aaaaa"
+
+
+def test_presence_penalty_counts_the_completion_once(scripted: Server) -> None:
+    # a 3 -> 2 once said: b (2.6), then c (2.2), then a (2.0) beats b (1.6) and c (1.2), twice.
+    assert _complete(scripted, presence_penalty=1.0) == "abcaa"
+
+
+def test_frequency_penalty_counts_every_occurrence(scripted: Server) -> None:
+    # 0.5 per occurrence: a, b (2.6 > 2.5), a (2.5 > 2.2, 2.1), c (2.2 > 2.1, 2.0), b (2.1 > 2.0, 1.7).
+    assert _complete(scripted, frequency_penalty=0.5) == "abacb"
+
+
+def test_repetition_penalty_counts_the_prompt_too(scripted: Server) -> None:
+    # "a" in the prompt: a's 3 / 2 = 1.5 from the start; b 2.6 -> 1.3, c 2.2 -> 1.1 once said.
+    assert _complete(scripted, prompt="a", repetition_penalty=2.0) == "bcaaa"
+    assert _complete(scripted, prompt="xyz", repetition_penalty=2.0) == "abcaa"
+
+
+def test_logit_bias_forces_and_bans(scripted: Server) -> None:
+    assert _complete(scripted, logit_bias={str(ord("z")): 100}) == "zzzzz"
+    assert _complete(scripted, logit_bias={str(ord("a")): -100}) == "bbbbb"
+    # A random draw with a and b banned and the rest left at 0 against c's 2.2 at top_k 1: c.
+    text = _complete(scripted, temperature=1.0, top_k=1, logit_bias={str(ord("a")): -100, str(ord("b")): -100})
+    assert text == "ccccc"
+
+
+def test_chat_takes_them_too(scripted: Server) -> None:
+    response = scripted.client().chat.completions.create(
+        model="dummy",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        presence_penalty=1.0,
+        n=2,
+    )
+    assert [c.message.content for c in response.choices] == ["abca", "abca"]
+
+
+def test_min_p_keeps_only_the_likely(scripted: Server) -> None:
+    # Against a's probability, b's is e^-0.4 (0.67) and c's e^-0.8 (0.45): min_p 0.5 keeps a and b.
+    texts = {_complete(scripted, temperature=1.0, min_p=0.5, seed=s) for s in range(6)}
+    assert set("".join(texts)) <= {"a", "b"} and len(texts) > 1
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        ({"logit_bias": {"999999": 5}}, "logit_bias"),
+        ({"logit_bias": {"x": 5}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_p": 1.0}, "min_p"),
+        ({"top_k": -2}, "top_k"),
+    ],
+)
+def test_out_of_range_is_a_400_naming_the_parameter(server: Server, params: dict, param: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(openai.BadRequestError) as err:
+        _complete(server, **params)
+    assert param in str(err.value)

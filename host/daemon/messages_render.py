@@ -12,6 +12,7 @@ import json
 import secrets
 from typing import Any
 
+from host.daemon.call_stream import CallArguments, final_arguments
 from host.daemon.errors import ApiError
 from host.daemon.http_util import sse
 from host.daemon.openai_render import Renderer, Update
@@ -40,6 +41,10 @@ def anthropic_envelope(error: ApiError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
+def _tool_id() -> str:
+    return f"toolu_{secrets.token_hex(12)}"
+
+
 class MessagesWire:
     """One message, whole or as events."""
 
@@ -47,6 +52,8 @@ class MessagesWire:
         self._id = f"msg_{secrets.token_hex(16)}"
         self._model = model
         self._blocks: list[Block] | None = None
+        self._tool_id = _tool_id()  # a forced call's
+        self._call = CallArguments()
 
     def _message(self, renderer: Renderer, content: list[Block], stop_reason: str | None) -> dict[str, Any]:
         return {
@@ -69,20 +76,22 @@ class MessagesWire:
         if self._blocks is not None:
             return self._blocks
         choice = renderer.choices[0]
-        parsed = renderer.tool_calls(choice) if renderer.job.tool_call else None
-        blocks: list[Block] = []
-        if parsed is not None:
-            content, calls = parsed
-            blocks = [{"type": "text", "text": content}] if content else []
-            try:
-                for call in calls:
-                    function = call["function"]
-                    tool_id = f"toolu_{secrets.token_hex(12)}"
-                    arguments = json.loads(function["arguments"])
-                    blocks.append({"type": "tool_use", "id": tool_id, "name": function["name"], "input": arguments})
-            except ValueError:
-                parsed = None
-        if parsed is None:
+        if renderer.job.tool_call == "forced":
+            call = final_arguments(choice.text, choice.finish_reason)
+            calls = [(self._tool_id, *call)] if call is not None else []
+            content = None
+        elif renderer.job.tool_call == "auto" and (parsed := renderer.tool_calls(choice)) is not None:
+            content = parsed[0]
+            calls = [(_tool_id(), c["function"]["name"], c["function"]["arguments"]) for c in parsed[1]]
+        else:
+            calls, content = [], choice.text
+        blocks: list[Block] = [{"type": "text", "text": content}] if content else []
+        try:
+            for tool_id, name, arguments in calls:
+                blocks.append({"type": "tool_use", "id": tool_id, "name": name, "input": json.loads(arguments)})
+        except ValueError:
+            blocks = []
+        if not any(block["type"] == "tool_use" for block in blocks):
             blocks = [{"type": "text", "text": choice.text}]
         self._blocks = blocks
         return blocks
@@ -113,6 +122,9 @@ class MessagesWire:
         blocks are sent whole when it finishes (as chat completions send tool calls)."""
         frames = []
         for _index, text, _entries, finish in updates:
+            if renderer.job.tool_call == "forced":
+                frames += self._call_frames(renderer, finish)
+                continue
             if text and not renderer.job.tool_call:
                 frames.append(self._event("content_block_delta", index=0, delta={"type": "text_delta", "text": text}))
             if finish is None:
@@ -123,6 +135,23 @@ class MessagesWire:
             for index, block in enumerate(self._final_blocks(renderer)):
                 frames += self._whole_block(index, block)
         return frames
+
+    def _call_frames(self, renderer: Renderer, finish: str | None) -> list[bytes]:
+        """A forced call streams its input's JSON as it is generated, once its name is known."""
+        was_open = self._call.name is not None
+        delta = self._call.advance(renderer.choices[0].text, finish)
+        frames = []
+        if self._call.name is not None and not was_open:
+            block = {"type": "tool_use", "id": self._tool_id, "name": self._call.name, "input": {}}
+            frames.append(self._event("content_block_start", index=0, content_block=block))
+        if delta:
+            json_delta = {"type": "input_json_delta", "partial_json": delta}
+            frames.append(self._event("content_block_delta", index=0, delta=json_delta))
+        if finish is None:
+            return frames
+        if self._call.name is None:  # cut inside its name: its text, as a text block
+            return frames + self._whole_block(0, self._final_blocks(renderer)[0])
+        return [*frames, self._event("content_block_stop", index=0)]
 
     def _whole_block(self, index: int, block: Block) -> list[bytes]:
         if block["type"] == "tool_use":

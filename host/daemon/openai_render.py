@@ -25,6 +25,13 @@ CALL_BEGIN, CALL_END = "<tool_call>", "</tool_call>"
 _CUT_CALL = re.compile(r'\{"name":("(?:[^"\\]|\\.)*"),"arguments":(.*)\Z', re.DOTALL)
 
 
+def forced_call(text: str) -> tuple[str, str] | None:
+    """A forced call's name and its arguments' text as far as it is generated (with the call's
+    own closing brace once that is), or None while its name is not complete."""
+    cut = _CUT_CALL.match(text)
+    return None if cut is None else (json.loads(cut.group(1)), cut.group(2))
+
+
 @dataclass(slots=True)
 class Choice:
     index: int
@@ -211,10 +218,10 @@ class Renderer:
         call (plain text in "auto" mode, or a cut one there). A forced call cut by max_tokens
         is still a call, its arguments as far as they were generated (finish_reason "length")."""
         if self.job.tool_call == "forced" and c.finish_reason == "length":
-            cut = _CUT_CALL.match(c.text)
-            if cut is None:  # cut inside the name: no call to speak of
+            call = forced_call(c.text)
+            if call is None:  # cut inside the name: no call to speak of
                 return None
-            function = {"name": json.loads(cut.group(1)), "arguments": cut.group(2)}
+            function = {"name": call[0], "arguments": call[1]}
             return None, [{"id": f"call_{self.id[-16:]}_{c.index}_0", "type": "function", "function": function}]
         if not self.job.tool_call or c.finish_reason != "stop":
             return None

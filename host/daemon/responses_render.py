@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from host.daemon.call_stream import CallArguments, final_arguments
 from host.daemon.errors import ApiError
 from host.daemon.http_util import sse
 from host.daemon.openai_render import Renderer, Update
@@ -27,6 +28,18 @@ def message_item(item_id: str, text: str, status: str) -> Item:
     return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": [_part(text)]}
 
 
+def _call_item(ids: tuple[str, str], name: str, arguments: str, status: str) -> Item:
+    item_id, call_id = ids
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "status": status,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+    }
+
+
 def _part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
@@ -39,6 +52,8 @@ class ResponsesWire:
         self._base = {**base, "object": "response", "created_at": int(time.time())}
         self._on_done = on_done
         self._message_id = new_id("msg")
+        self._call_ids = (new_id("fc"), new_id("call"))  # a forced call's item and call ids
+        self._call = CallArguments()
         self._sequence = 0
         self._output: list[Item] | None = None
 
@@ -76,7 +91,13 @@ class ResponsesWire:
             return self._output
         choice = renderer.choices[0]
         status = self._status(renderer)
-        parsed = renderer.tool_calls(choice) if renderer.job.tool_call else None
+        if renderer.job.tool_call == "forced":
+            # The arguments as generated (as they stream), not parsed and written again.
+            forced = final_arguments(choice.text, choice.finish_reason)
+            if forced is not None:
+                self._output = [_call_item(self._call_ids, *forced, status)]
+                return self._output
+        parsed = renderer.tool_calls(choice) if renderer.job.tool_call == "auto" else None
         if parsed is None:
             self._output = [message_item(self._message_id, choice.text, status)]
             return self._output
@@ -84,16 +105,8 @@ class ResponsesWire:
         output = [message_item(self._message_id, content, status)] if content else []
         for call in calls:
             function = call["function"]
-            output.append(
-                {
-                    "id": new_id("fc"),
-                    "type": "function_call",
-                    "status": status,
-                    "call_id": new_id("call"),
-                    "name": function["name"],
-                    "arguments": function["arguments"],
-                }
-            )
+            ids = (new_id("fc"), new_id("call"))
+            output.append(_call_item(ids, function["name"], function["arguments"], status))
         self._output = output
         return output
 
@@ -105,8 +118,9 @@ class ResponsesWire:
         return sse(data, event=kind)
 
     def _streams_text(self, renderer: Renderer) -> bool:
-        """Plain text streams as it comes; a tool-call run's text is JSON being built, so its
-        items are sent whole when it finishes (as chat completions send tool calls)."""
+        """Plain text streams as it comes, and so do a forced call's arguments; with "auto"
+        tools the text may hold calls between markers, so its items are sent whole when it
+        finishes (as chat completions send tool calls)."""
         return not renderer.job.tool_call
 
     def opening(self, renderer: Renderer) -> list[bytes]:
@@ -120,6 +134,9 @@ class ResponsesWire:
     def frames(self, renderer: Renderer, updates: list[Update]) -> list[bytes]:
         frames = []
         for _index, text, _entries, finish in updates:
+            if renderer.job.tool_call == "forced":
+                frames += self._call_frames(renderer, finish)
+                continue
             if text and self._streams_text(renderer):
                 frames.append(self._text_delta(0, text))
             if finish is None:
@@ -131,6 +148,23 @@ class ResponsesWire:
             for index, item in enumerate(output):
                 frames += self._whole_item(index, item)
         return frames
+
+    def _call_frames(self, renderer: Renderer, finish: str | None) -> list[bytes]:
+        """A forced call streams its arguments as they are generated, once its name is known."""
+        was_open = self._call.name is not None
+        delta = self._call.advance(renderer.choices[0].text, finish)
+        frames = []
+        if self._call.name is not None and not was_open:
+            frames += self._item_opening(0, _call_item(self._call_ids, self._call.name, "", "in_progress"))
+        if delta:
+            where = {"item_id": self._call_ids[0], "output_index": 0}
+            frames.append(self._event("response.function_call_arguments.delta", **where, delta=delta))
+        if finish is None:
+            return frames
+        output = self._final_output(renderer)
+        if self._call.name is None:  # cut inside its name: its text, as a message
+            return frames + self._whole_item(0, output[0])
+        return frames + self._item_closing(0, output[0])
 
     def _item_opening(self, index: int, item: Item) -> list[bytes]:
         if item["type"] == "function_call":

@@ -110,25 +110,29 @@ def test_a_tool_is_used_with_a_valid_input(client: anthropic.Anthropic) -> None:
         jsonschema.validate(block.input, FORECAST)
 
 
-def test_a_streamed_tool_use_arrives_whole(client: anthropic.Anthropic) -> None:
+def test_a_streamed_tool_use_streams_its_input(client: anthropic.Anthropic) -> None:
     kwargs: Any = {"tools": [TOOL], "tool_choice": {"type": "any"}, "max_tokens": 80}
     sampling = {"temperature": 1.0, "seed": 6}
     events = list(create(client, sampling, stream=True, **kwargs))
     kinds = [e.type for e in events]
+    num_deltas = kinds.count("content_block_delta")
+    assert num_deltas > 1
     assert kinds == [
         "message_start",
         "content_block_start",
-        "content_block_delta",
+        *["content_block_delta"] * num_deltas,
         "content_block_stop",
         "message_delta",
         "message_stop",
     ]
     assert events[1].content_block.type == "tool_use" and events[1].content_block.name == "forecast"
-    assert events[2].delta.type == "input_json_delta" and events[-2].delta.stop_reason == "tool_use"
-    jsonschema.validate(json.loads(events[2].delta.partial_json), FORECAST)
+    assert {e.delta.type for e in events[2:-3]} == {"input_json_delta"} and events[-2].delta.stop_reason == "tool_use"
+    arguments = json.loads("".join(e.delta.partial_json for e in events[2:-3]))
+    jsonschema.validate(arguments, FORECAST)
     with client.messages.stream(model="dummy", messages=ASK, extra_body=sampling, **kwargs) as stream:
         final = stream.get_final_message()
-    assert final.content[0].type == "tool_use" and final.content[0].input == json.loads(events[2].delta.partial_json)
+    assert final.content[0].type == "tool_use" and final.content[0].input == arguments
+    assert create(client, sampling, **kwargs).content[0].input == arguments
 
 
 def test_tool_use_and_tool_result_blocks_are_the_chat_history(server: Server, client: anthropic.Anthropic) -> None:

@@ -12,6 +12,7 @@ import jsonschema
 import openai
 import pytest
 
+from host.daemon.call_stream import CallArguments
 from host.daemon.responses_store import ResponseStore
 from tests.host.daemon.conftest import OTHER_KEY, Server
 from tests.host.daemon.test_structured import SCHEMA as WEATHER
@@ -99,25 +100,54 @@ def test_a_function_tool_is_called_with_valid_arguments(server: Server) -> None:
 
 
 def test_a_streamed_function_call_has_argument_events(server: Server) -> None:
+    """A forced call's arguments stream as they are generated; their deltas add up to the
+    arguments of the done event, of the final response and of the same request unstreamed."""
     kwargs: Any = {"tools": [TOOL], "tool_choice": "required", "max_output_tokens": 80, "extra_body": {"seed": 4}}
     events = list(respond(server, stream=True, temperature=1.0, **kwargs))
     kinds = [e.type for e in events]
+    num_deltas = kinds.count("response.function_call_arguments.delta")
+    assert num_deltas > 1
     assert kinds == [
         "response.created",
         "response.in_progress",
         "response.output_item.added",
-        "response.function_call_arguments.delta",
+        *["response.function_call_arguments.delta"] * num_deltas,
         "response.function_call_arguments.done",
         "response.output_item.done",
         "response.completed",
     ]
-    assert events[2].item.type == "function_call" and events[2].item.arguments == ""
-    arguments = events[3].delta
-    assert events[4].arguments == arguments and events[4].item_id == events[2].item.id
+    assert events[2].item.type == "function_call" and events[2].item.name == "forecast"
+    assert events[2].item.arguments == ""
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert events[-3].arguments == arguments and events[-3].item_id == events[2].item.id
     jsonschema.validate(json.loads(arguments), FORECAST)
     assert events[-1].response.output[0].arguments == arguments
     same = respond(server, temperature=1.0, **kwargs)
     assert same.output[0].arguments == arguments  # streamed or not, one call
+
+
+def test_a_forced_call_cut_by_max_output_tokens(server: Server) -> None:
+    """Its arguments as far as they were generated, status incomplete, streamed or not."""
+    prefix = '{"name":"forecast","arguments":'
+    kwargs: Any = {"tools": [TOOL], "tool_choice": "required", "extra_body": {"seed": 3}}
+    kwargs["max_output_tokens"] = len(prefix) + 6  # the dummy's tokens are bytes: cut inside the arguments
+    whole = respond(server, temperature=1.0, **kwargs)
+    (call,) = whole.output
+    assert whole.status == "incomplete" and call.type == "function_call" and call.status == "incomplete"
+    assert call.arguments.startswith("{") and 0 < len(call.arguments) <= 6
+    events = list(respond(server, temperature=1.0, stream=True, **kwargs))
+    assert events[-1].type == "response.incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == call.arguments
+
+
+def test_call_arguments_hold_back_what_may_close_the_call() -> None:
+    stream = CallArguments()
+    assert stream.advance('{"name":"f', None) == "" and stream.name is None
+    assert stream.advance('{"name":"f","arguments":{"a"', None) == '{"a'  # the last `"` may end the call
+    assert stream.advance('{"name":"f","arguments":{"a":1}', None) == '":1'
+    assert stream.advance('{"name":"f","arguments":{"a":1}}', "stop") == "}" and stream.text == '{"a":1}'
+    cut = CallArguments()
+    assert cut.advance('{"name":"f","arguments":{"a":', "length") == '{"a":' and cut.name == "f"
 
 
 def test_a_json_schema_response_parses_and_validates(server: Server) -> None:

@@ -36,14 +36,22 @@ class Sampler:
     repetition_from: int = 0
     penalty_last_n: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias), tokens strictly increasing
+    # Random rows' filters besides top-k, top-p and min-p (`Forward`'s "Sampler chain").
+    typical_p: float = 1.0
+    top_n_sigma: float = 0.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
     # Worked out once, at construction: `build_forward` reads them for every output of a pass.
     has_penalties: bool = field(init=False, compare=False, repr=False)
+    has_filters: bool = field(init=False, compare=False, repr=False)
     has_chain: bool = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         penalties = self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        filters = self.typical_p != 1.0 or self.top_n_sigma != 0.0 or self.xtc_probability != 0.0
         object.__setattr__(self, "has_penalties", penalties)
-        object.__setattr__(self, "has_chain", penalties or bool(self.logit_bias))
+        object.__setattr__(self, "has_filters", filters)
+        object.__setattr__(self, "has_chain", penalties or filters or bool(self.logit_bias))
 
     @staticmethod
     def greedy() -> Sampler:
@@ -203,6 +211,10 @@ def _chain_columns(samplers: list[Sampler]) -> dict[str, npt.NDArray[Any]]:
         ]
         for (name, dtype), column in zip(PENALTY_COLUMNS, zip(*penalties, strict=True), strict=True):
             columns[name] = np.array(column, dtype=dtype)
+    if any(s.has_filters for s in samplers):
+        filters = [(s.typical_p, s.top_n_sigma, s.xtc_probability, s.xtc_threshold) for s in samplers]
+        for name, column in zip(FILTER_COLUMNS, zip(*filters, strict=True), strict=True):
+            columns[name] = np.array(column, dtype=np.float32)
     if any(s.logit_bias for s in samplers):
         pairs = [pair for s in samplers for pair in s.logit_bias]
         columns["logit_bias_indptr"] = _indptr([len(s.logit_bias) for s in samplers])
@@ -211,6 +223,8 @@ def _chain_columns(samplers: list[Sampler]) -> dict[str, npt.NDArray[Any]]:
     return columns
 
 
+# The random rows' filter columns of `Forward` (all [O] float32, or all empty).
+FILTER_COLUMNS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold")
 # The penalty columns of `Forward` (all [O], or all empty): (field, dtype).
 PENALTY_COLUMNS: tuple[tuple[str, type], ...] = (
     ("repetition_penalty", np.float32),

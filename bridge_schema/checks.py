@@ -12,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
-from bridge_schema.batch import PENALTY_COLUMNS, logit_mask_words
+from bridge_schema.batch import FILTER_COLUMNS, PENALTY_COLUMNS, logit_mask_words
 from bridge_schema.errors import FieldError, RangeError, ShapeError
 from bridge_schema.limits import Limits
 from bridge_schema.messages import (
@@ -172,7 +172,14 @@ def _check_outputs(f: Forward, n_inputs: npt.NDArray[np.int64], n_out: npt.NDArr
         raise ShapeError(f"has {len(f.score_tokens)} entries for {o} output rows (or none)", "score_tokens")
     if len(f.score_tokens) and int(f.score_tokens.min()) < -1:
         raise RangeError("must be a token id, or -1 for none", "score_tokens")
-    if len(f.repetition_penalty) or len(f.penalty_from) or len(f.logit_bias_indptr) or len(f.logit_bias):
+    if (
+        len(f.repetition_penalty)
+        or len(f.penalty_from)
+        or len(f.logit_bias_indptr)
+        or len(f.logit_bias)
+        or len(f.typical_p)
+        or len(f.xtc_threshold)
+    ):
         _check_chain(f, o)
     if o == 0:
         return
@@ -229,6 +236,18 @@ def _check_chain(f: Forward, o: int) -> None:
                 raise ShapeError(f"has {len(getattr(f, name))} entries for {o} output rows (or none)", name)
         if np.count_nonzero(f.repetition_penalty > 0) != o:
             raise RangeError("must be > 0 (1 = off)", "repetition_penalty")
+    if {len(getattr(f, name)) for name in FILTER_COLUMNS} != {0}:
+        for name in FILTER_COLUMNS:
+            if len(getattr(f, name)) != o:
+                raise ShapeError(f"has {len(getattr(f, name))} entries for {o} output rows (or none)", name)
+        for name, valid, message in (
+            ("typical_p", (f.typical_p > 0) & (f.typical_p <= 1), "must be in (0, 1]"),
+            ("top_n_sigma", f.top_n_sigma >= 0, "must be >= 0 (0 = off)"),
+            ("xtc_probability", (f.xtc_probability >= 0) & (f.xtc_probability <= 1), "must be in [0, 1]"),
+            ("xtc_threshold", (f.xtc_threshold >= 0) & (f.xtc_threshold <= 1), "must be in [0, 1]"),
+        ):
+            if np.count_nonzero(valid) != o:
+                raise RangeError(message, name)
     if len(f.logit_bias_indptr) or len(f.logit_bias_ids) or len(f.logit_bias):
         counts = _counts("logit_bias_indptr", f.logit_bias_indptr, o, len(f.logit_bias_ids))
         if len(f.logit_bias) != len(f.logit_bias_ids):

@@ -156,7 +156,13 @@ class Forward(Message):
     logit of every counted token by the penalty and multiplies a negative one (vLLM's and the
     CTRL paper's rule); the presence penalty subtracts its value once from every counted token,
     the frequency penalty its value times the token's count (OpenAI's rule). Probes report the
-    log-probabilities after the chain and the mask, before temperature.
+    log-probabilities after the chain and the mask, before temperature. A random row then goes
+    through temperature and its filters in this order, each on the tokens the ones before kept:
+    top-n-sigma (logits within n standard deviations of the best), top-k, top-p, min-p (these
+    three on the probabilities before any filter, as without a chain), locally typical sampling
+    (renormalized over the kept tokens), XTC (with probability xtc_probability, a draw of its
+    own from `bridge_schema.sampling.xtc_uniform`, every kept token at least xtc_threshold likely
+    but the least likely of them is removed, when there are two or more), then the draw.
     """
 
     TAG: ClassVar[str] = "forward"
@@ -204,6 +210,11 @@ class Forward(Message):
     logit_bias_indptr: U32 = array_field("<u4")  # [O+1] or empty
     logit_bias_ids: U32 = array_field("<u4")
     logit_bias: F32 = array_field("<f4")
+    # Filters of random rows besides top-k, top-p and min-p (all [O] or all empty; see above).
+    typical_p: F32 = array_field("<f4")  # [O] or empty: in (0, 1], 1 = off
+    top_n_sigma: F32 = array_field("<f4")  # [O] or empty: >= 0, 0 = off
+    xtc_probability: F32 = array_field("<f4")  # [O] or empty: in [0, 1], 0 = off
+    xtc_threshold: F32 = array_field("<f4")  # [O] or empty: in [0, 1]
 
     @property
     def num_requests(self) -> int:

@@ -26,6 +26,16 @@ def _splitmix64(z: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     return z
 
 
+# XTC's draw: a stream of its own, so it does not repeat the token draw's.
+_XTC_SALT = np.uint64(0x9E3779B97F4A7C15)
+
+
+def xtc_uniform(seeds: npt.ArrayLike, positions: npt.ArrayLike) -> npt.NDArray[np.float64]:
+    """XTC's draw in [0, 1) per (seed, position) pair (seeds >= 0)."""
+    salted = (np.array(seeds, dtype=np.int64, ndmin=1).astype(np.uint64) ^ _XTC_SALT) >> np.uint64(1)
+    return seeded_uniform(salted.astype(np.int64), positions)
+
+
 def seeded_uniform(seeds: npt.ArrayLike, positions: npt.ArrayLike) -> npt.NDArray[np.float64]:
     """One uniform draw in [0, 1) per (seed, position) pair; seeds must be >= 0."""
     bits = np.array(seeds, dtype=np.int64, ndmin=1).astype(np.uint64)

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from bridge_schema.batch import PENALTY_COLUMNS
+from bridge_schema.batch import FILTER_COLUMNS, PENALTY_COLUMNS
 from bridge_schema.messages import Forward
 
+# Random sampling considers the PREFILTER most likely tokens; the rest carry ~0 mass.
+PREFILTER = 256
 I64 = npt.NDArray[np.int64]
 F32 = npt.NDArray[np.float32]
 
@@ -143,6 +145,9 @@ def take_outputs(f: Forward, outputs: I64) -> dict[str, npt.NDArray[np.generic]]
     if len(f.repetition_penalty):
         for name in PENALTY_FIELDS:
             columns[name] = getattr(f, name)[outputs]
+    if len(f.typical_p):
+        for name in FILTER_COLUMNS:
+            columns[name] = getattr(f, name)[outputs]
     if len(f.logit_bias_indptr):
         ptr = f.logit_bias_indptr.astype(np.int64)
         picks = [np.arange(ptr[o], ptr[o + 1]) for o in outputs.tolist()]
@@ -171,11 +176,33 @@ def apply_chain_np(logits: F32, f: Forward, tokens: SlotTokens) -> F32:
     return out
 
 
-def sample_row_np(logits: F32, temperature: float, top_k: int, top_p: float, min_p: float, u: float) -> int:
-    """The plain random sampler on one row: temperature, then top-k, top-p (the mass of the
-    strictly more likely tokens below top_p; the first always kept) and min-p (against the most
-    likely), then the token where the kept mass's CDF passes u * total."""
-    order = np.argsort(-logits, kind="stable")
+@dataclass(frozen=True, slots=True)
+class Filters:
+    """A random row's filters besides top-k, top-p and min-p (off by default), and XTC's draw."""
+
+    typical_p: float = 1.0
+    top_n_sigma: float = 0.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    xtc_draw: float = 1.0
+
+    @staticmethod
+    def of(f: Forward, o: int, xtc_draw: float) -> Filters:
+        if not len(f.typical_p):
+            return Filters()
+        typical, sigma = float(f.typical_p[o]), float(f.top_n_sigma[o])
+        return Filters(typical, sigma, float(f.xtc_probability[o]), float(f.xtc_threshold[o]), xtc_draw)
+
+
+def sample_row_np(
+    logits: F32, temperature: float, top_k: int, top_p: float, min_p: float, u: float, filters: Filters = Filters()
+) -> int:
+    """The plain random sampler on one row: temperature over the PREFILTER most likely tokens,
+    then top-n-sigma, top-k, top-p (the mass of the strictly more likely tokens below top_p; the
+    first always kept) and min-p (against the most likely), typical and XTC (`Forward`'s
+    "Sampler chain"), then the token where the kept mass's CDF passes u * total."""
+    finite_logits = logits[np.isfinite(logits)].astype(np.float64) / temperature
+    order = np.argsort(-logits, kind="stable")[:PREFILTER]
     scaled = logits[order].astype(np.float64) / temperature
     finite = np.isfinite(scaled)
     probs = np.zeros_like(scaled)
@@ -183,8 +210,32 @@ def sample_row_np(logits: F32, temperature: float, top_k: int, top_p: float, min
     probs /= probs.sum()
     rank = np.arange(len(probs))
     keep = (rank < top_k) if top_k else np.ones(len(probs), dtype=bool)
+    if filters.top_n_sigma > 0:
+        keep &= scaled >= scaled[0] - filters.top_n_sigma * finite_logits.std()
     keep &= (np.cumsum(probs) - probs < top_p) | (rank == 0)
     keep &= probs >= min_p * probs[0]
+    if filters.typical_p < 1:
+        keep &= _typical(np.where(keep, probs, 0.0), filters.typical_p)
+    if filters.xtc_probability > 0 and filters.xtc_draw < filters.xtc_probability:
+        q = np.where(keep, probs, 0.0)
+        above = np.flatnonzero(q / q.sum() >= filters.xtc_threshold)
+        if len(above) >= 2:
+            keep[above[:-1]] = False  # all but the least likely of them
     cdf = np.cumsum(np.where(keep, probs, 0.0))
     pick = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
     return int(order[min(pick, len(order) - 1)])
+
+
+def _typical(kept: npt.NDArray[np.float64], mass: float) -> npt.NDArray[np.bool_]:
+    """Locally typical sampling over the kept probabilities (0 where not kept): the tokens whose
+    surprisal is nearest the entropy, fewest first, until they hold `mass`."""
+    q = kept / kept.sum()
+    live = q > 0
+    surprisal = np.full(len(q), np.inf)
+    surprisal[live] = -np.log(q[live])
+    entropy = float(np.sum(q[live] * surprisal[live]))
+    order = np.argsort(np.abs(surprisal - entropy), kind="stable")
+    before = np.cumsum(q[order]) - q[order]
+    chosen = np.zeros(len(q), dtype=bool)
+    chosen[order[(before < mass) & live[order]]] = True
+    return chosen

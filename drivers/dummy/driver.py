@@ -30,9 +30,9 @@ from bridge_schema.messages import (
     Probe,
     SamplerKind,
 )
-from bridge_schema.sampling import seeded_uniform
+from bridge_schema.sampling import seeded_uniform, xtc_uniform
 from drivers.errors import ConfigRejected, RequestRejected
-from drivers.sampler_chain import SlotTokens, apply_chain_np, sample_row_np
+from drivers.sampler_chain import Filters, SlotTokens, apply_chain_np, sample_row_np
 
 # The byte tokenizer's special tokens follow the 256 byte tokens.
 ENDOFTEXT, IM_START, IM_END, PAD = 256, 257, 258, 259
@@ -232,8 +232,11 @@ class DummyDriver:
 
         tokens = np.minimum((draws * vocab).astype(np.int64), vocab - 1).astype(np.int32)
         logprobs = np.zeros(o, dtype=np.float32)
-        if self.config.logits or len(f.repetition_penalty) or len(f.logit_bias_ids):
-            return self._sample_distribution(f, draws)
+        if self.config.logits or len(f.repetition_penalty) or len(f.logit_bias_ids) or len(f.typical_p):
+            xtc = self._rng.random(o)
+            if n_seeded:
+                xtc[seeded] = xtc_uniform(f.seed[seeded], positions[seeded])
+            return self._sample_distribution(f, draws, xtc)
         # Only rows with a logit mask or a probe need work beyond the vectorised draw above.
         if not o or (int(f.logit_mask_index.max()) < 0 and not np.count_nonzero(f.probe)):
             self._count(f, o)
@@ -294,7 +297,9 @@ class DummyDriver:
             dists=np.concatenate(dists) if dists else np.zeros(0, np.float32),
         )
 
-    def _sample_distribution(self, f: Forward, draws: npt.NDArray[np.float64]) -> ForwardResult:
+    def _sample_distribution(
+        self, f: Forward, draws: npt.NDArray[np.float64], xtc_draws: npt.NDArray[np.float64]
+    ) -> ForwardResult:
         """Every row from the base logits (`DummyConfig.logits`) after its chain and logit mask:
         greedy rows take a maximum (`draws` picks among ties, so uniform logits sample as
         without them), random rows sample as the torch driver does, on `draws`."""
@@ -320,7 +325,7 @@ class DummyDriver:
                 tokens[i] = best[min(int(draws[i] * len(best)), len(best) - 1)]
             else:
                 t, k, p, m = float(f.temperature[i]), int(f.top_k[i]), float(f.top_p[i]), float(f.min_p[i])
-                tokens[i] = sample_row_np(row, t, k, p, m, float(draws[i]))
+                tokens[i] = sample_row_np(row, t, k, p, m, float(draws[i]), Filters.of(f, i, float(xtc_draws[i])))
             probe = int(f.probe[i])
             if not probe:
                 continue

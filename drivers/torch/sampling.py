@@ -13,12 +13,11 @@ import torch
 
 from bridge_schema.batch import logit_mask_words
 from bridge_schema.messages import Forward, Probe, SamplerKind
-from bridge_schema.sampling import seeded_uniform
+from bridge_schema.sampling import seeded_uniform, xtc_uniform
 from drivers.errors import RequestRejected
-from drivers.sampler_chain import SlotTokens, bias_entries, penalty_entries
+from drivers.sampler_chain import PREFILTER, SlotTokens, bias_entries, penalty_entries
 from drivers.torch.kernels import cpu_kernels
 
-PREFILTER = 256  # random sampling considers the 256 most likely tokens; the rest carry ~0 mass
 # As a plain int: numpy compares an array with an IntEnum member through Python-level calls
 # (warm ~3.2 against ~1.3 us; right after the model's graph, with cold caches, ~35 against ~24).
 _RANDOM = int(SamplerKind.RANDOM)
@@ -138,14 +137,33 @@ def _random_tokens(
     """The random rows' tokens: the C++ op where it runs (`cpu_kernels.sample_rows`, one pass
     over each row), else these torch steps, which it follows."""
     u = _uniforms(fwd, rows, positions, gen)
+    if len(fwd.typical_p):  # filters the C++ op does not run
+        return _random_tokens_torch(logits, fwd, rows, u, _xtc_draws(fwd, rows, positions, gen))
     native = cpu_kernels.sample_rows(
         logits, rows, fwd.temperature[rows], fwd.top_k[rows], fwd.top_p[rows], fwd.min_p[rows], u
     )
     return native if native is not None else _random_tokens_torch(logits, fwd, rows, u)
 
 
+def _xtc_draws(
+    fwd: Forward, rows: npt.NDArray[np.int64], positions: npt.NDArray[np.int64], gen: torch.Generator
+) -> npt.NDArray[np.float64]:
+    """Each random row's XTC draw: from `xtc_uniform(seed, position)` where seeded, else `gen`."""
+    seeds = fwd.seed[rows]
+    draws = np.empty(len(rows), dtype=np.float64)
+    seeded = seeds >= 0
+    draws[seeded] = xtc_uniform(seeds[seeded], positions[seeded])
+    if np.any(~seeded):
+        draws[~seeded] = torch.rand(int((~seeded).sum()), generator=gen, dtype=torch.float64).numpy()
+    return draws
+
+
 def _random_tokens_torch(
-    logits: torch.Tensor, fwd: Forward, rows: npt.NDArray[np.int64], u: npt.NDArray[np.float64]
+    logits: torch.Tensor,
+    fwd: Forward,
+    rows: npt.NDArray[np.int64],
+    u: npt.NDArray[np.float64],
+    xtc_draws: npt.NDArray[np.float64] | None = None,
 ) -> torch.Tensor:
     device = logits.device
     temp = torch.as_tensor(fwd.temperature[rows], device=device)
@@ -161,11 +179,56 @@ def _random_tokens_torch(
     keep &= (before < top_p[:, None]) | (rank == 0)
     min_p = torch.as_tensor(fwd.min_p[rows], device=device)
     keep &= probs >= min_p[:, None] * probs[:, :1]
+    if xtc_draws is not None:
+        keep = _filter(keep, scaled, vals, probs, fwd, rows, xtc_draws)
     kept = torch.where(keep, probs, 0.0)
     cdf = kept.cumsum(-1)
     target = torch.as_tensor(u, device=device, dtype=cdf.dtype)[:, None] * cdf[:, -1:]
     pick = torch.searchsorted(cdf, target, right=True).clamp(max=k - 1)
     return ids.gather(1, pick).squeeze(1)
+
+
+def _filter(
+    keep: torch.Tensor,
+    scaled: torch.Tensor,
+    vals: torch.Tensor,
+    probs: torch.Tensor,
+    fwd: Forward,
+    rows: npt.NDArray[np.int64],
+    xtc_draws: npt.NDArray[np.float64],
+) -> torch.Tensor:
+    """`keep` [rows, k] after top-n-sigma, typical and XTC (`drivers.sampler_chain.sample_row_np`
+    is the plain version): `scaled` the rows' whole scaled logits, `vals`/`probs` the candidates'."""
+    device = keep.device
+
+    def column(name: str) -> torch.Tensor:
+        return torch.as_tensor(getattr(fwd, name)[rows], device=device)
+
+    n_sigma, typical_p = column("top_n_sigma"), column("typical_p")
+    finite = torch.isfinite(scaled)
+    count = finite.sum(-1)
+    mean = torch.where(finite, scaled, 0.0).sum(-1) / count
+    sigma = (torch.where(finite, scaled - mean[:, None], 0.0).square().sum(-1) / count).sqrt()
+    keep &= (n_sigma[:, None] == 0) | (vals >= vals[:, :1] - n_sigma[:, None] * sigma[:, None])
+    # Typical: the kept tokens whose surprisal is nearest the entropy, until they hold typical_p.
+    q = torch.where(keep, probs, 0.0)
+    q = q / q.sum(-1, keepdim=True)
+    live = q > 0
+    surprisal = torch.where(live, -torch.log(torch.where(live, q, 1.0)), torch.inf)
+    entropy = torch.where(live, q * surprisal, 0.0).sum(-1)
+    _, order = torch.sort((surprisal - entropy[:, None]).abs(), dim=-1, stable=True)
+    q_sorted = q.gather(1, order)
+    chosen_sorted = (q_sorted.cumsum(-1) - q_sorted < typical_p[:, None]) & (q_sorted > 0)
+    chosen = torch.zeros_like(keep).scatter(1, order, chosen_sorted)
+    keep = torch.where(typical_p[:, None] < 1, keep & chosen, keep)
+    # XTC: with its probability, every kept token at least threshold likely but the last of them.
+    q = torch.where(keep, probs, 0.0)
+    q = q / q.sum(-1, keepdim=True)
+    above = keep & (q >= column("xtc_threshold")[:, None])
+    rank = torch.arange(keep.shape[-1], device=device)[None, :]
+    last = torch.where(above, rank, -1).max(-1).values
+    fires = (torch.as_tensor(xtc_draws, device=device) < column("xtc_probability").double()) & (above.sum(-1) >= 2)
+    return keep & ~(above & (rank != last[:, None]) & fires[:, None])
 
 
 def sample(

@@ -113,7 +113,9 @@ def output(run: RunState, handle: ResourceAny, row: int, sampler: Any, probe: An
 
 
 @host_function
-def sampler_stages(run: RunState, handle: ResourceAny, row: int, logit_bias: list[Any], penalties: Any) -> None:
+def sampler_stages(
+    run: RunState, handle: ResourceAny, row: int, logit_bias: list[Any], penalties: Any, filters: Any
+) -> None:
     builder = pass_builder(run, handle)
     _charge(run, builder, len(logit_bias) * 2 * _ELEMENT_BYTES)
     for i, spec in enumerate(builder.outputs):
@@ -127,6 +129,13 @@ def sampler_stages(run: RunState, handle: ResourceAny, row: int, logit_bias: lis
                     penalty_from=int(rec_field(penalties, "since")),
                     repetition_from=int(rec_field(penalties, "repetition_since")),
                     penalty_last_n=int(rec_field(penalties, "last_n")),
+                )
+            if filters is not None:
+                stages.update(
+                    typical_p=float(rec_field(filters, "typical_p")),
+                    top_n_sigma=float(rec_field(filters, "top_n_sigma")),
+                    xtc_probability=float(rec_field(filters, "xtc_probability")),
+                    xtc_threshold=float(rec_field(filters, "xtc_threshold")),
                 )
             builder.outputs[i] = replace(spec, sampler=replace(spec.sampler, **stages))
             return

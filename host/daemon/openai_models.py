@@ -148,6 +148,11 @@ class _Sampling(_Strict):
     repetition_penalty: RepetitionPenalty | None = None
     top_k: TopK | None = None
     min_p: MinP | None = None
+    # llama.cpp's server's filters.
+    typical_p: Annotated[StrictFloat | StrictInt, Field(gt=0.0, le=1.0)] | None = None
+    top_n_sigma: Annotated[StrictFloat | StrictInt, Field(ge=0.0, le=100.0)] | None = None
+    xtc_probability: Annotated[StrictFloat | StrictInt, Field(ge=0.0, le=1.0)] | None = None
+    xtc_threshold: Annotated[StrictFloat | StrictInt, Field(ge=0.0, le=1.0)] | None = None
     user: StrictStr | None = None
     # An extension (as in vLLM and llama.cpp's server): generate through the model's stop
     # tokens, up to max_tokens (stop strings and grammars still end a choice). For benchmarks.

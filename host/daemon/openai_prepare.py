@@ -253,7 +253,8 @@ def _message_text(message: Any) -> str:
 def _sampler_stages(req: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> dict[str, Any]:
     """The chat inferlet's arguments for the sampler chain: OpenAI's penalties and logit bias
     (token ids checked against the vocabulary, as vLLM does), vLLM's repetition_penalty, top_k
-    (-1 or 0: off) and min_p. Only the ones that change the sampler."""
+    (-1 or 0: off) and min_p, llama.cpp's typical_p, top_n_sigma and xtc_probability /
+    xtc_threshold. Only the ones that change the sampler."""
     args: dict[str, Any] = {}
     if req.frequency_penalty:
         args["frequency_penalty"] = req.frequency_penalty
@@ -265,6 +266,13 @@ def _sampler_stages(req: ChatCompletionRequest | CompletionRequest, vocab_size: 
         args["top_k"] = req.top_k
     if req.min_p:
         args["min_p"] = req.min_p
+    if req.typical_p is not None and req.typical_p != 1:
+        args["typical_p"] = req.typical_p
+    if req.top_n_sigma:
+        args["top_n_sigma"] = req.top_n_sigma
+    if req.xtc_probability:
+        args["xtc_probability"] = req.xtc_probability
+        args["xtc_threshold"] = 0.1 if req.xtc_threshold is None else req.xtc_threshold
     if req.logit_bias:
         if len(req.logit_bias) > MAX_LOGIT_BIAS:
             raise BadRequest(

@@ -38,12 +38,19 @@ def _check_chain(s: Sampler, h: Handshake) -> None:
     """The sampler chain's stages: a driver that runs them, finite values, a repetition penalty
     > 0, a bias of distinct tokens of the vocabulary in rising order."""
     if SAMPLER_CHAIN not in h.capabilities:
-        raise InvalidRequest(f"the {h.driver_kind} driver does not run sampler chains (penalties, logit bias)")
+        raise InvalidRequest(f"the {h.driver_kind} driver does not run sampler chains (penalties, logit bias, filters)")
     penalties = (s.repetition_penalty, s.presence_penalty, s.frequency_penalty)
     if not all(math.isfinite(p) for p in penalties) or not s.repetition_penalty > 0:
         raise InvalidRequest("penalties must be finite, and the repetition penalty > 0 (1 = off)")
     if min(s.penalty_from, s.repetition_from, s.penalty_last_n) < 0:
         raise InvalidRequest("penalty windows (from slots, last n) must be >= 0")
+    if not (
+        0 < s.typical_p <= 1
+        and 0 <= s.top_n_sigma < math.inf
+        and 0 <= s.xtc_probability <= 1
+        and 0 <= s.xtc_threshold <= 1
+    ):
+        raise InvalidRequest("filters out of range: typical_p in (0, 1], top_n_sigma >= 0, xtc in [0, 1]")
     if len(s.logit_bias) > MAX_LOGIT_BIAS:
         raise InvalidRequest(f"a logit bias has at most {MAX_LOGIT_BIAS} tokens, got {len(s.logit_bias)}")
     previous = -1

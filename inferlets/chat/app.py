@@ -12,6 +12,7 @@ import json
 from componentize_py_types import Err
 from decoding import Branch, StopMatcher, Utf8Decoder
 from inferlet import (
+    XTC,
     Chain,
     Context,
     Grammar,
@@ -24,7 +25,9 @@ from inferlet import (
     Random,
     Temperature,
     TopK,
+    TopNSigma,
     TopP,
+    Typical,
     execute_together,
     model_info,
     render_chat,
@@ -45,8 +48,9 @@ def _call(fn, *args):
 
 def _sampler(req: dict, branch_index: int, prompt_length: int) -> Greedy | Random | Chain:
     """The request's sampler for branch `branch_index`: a `Chain` when it has penalties, a logit
-    bias, top_k or min_p. OpenAI's presence and frequency penalties count the completion only
-    (the slots from `prompt_length` on), vLLM's repetition penalty the prompt too."""
+    bias, top_k, min_p or llama.cpp's filters (typical_p, top_n_sigma, xtc). OpenAI's presence
+    and frequency penalties count the completion only (the slots from `prompt_length` on),
+    vLLM's repetition penalty the prompt too."""
     temperature = float(req.get("temperature", 1.0))
     top_p = float(req.get("top_p", 1.0))
     greedy = temperature == 0 or top_p == 0
@@ -61,12 +65,20 @@ def _sampler(req: dict, branch_index: int, prompt_length: int) -> Greedy | Rando
     presence, frequency = float(req.get("presence_penalty", 0.0)), float(req.get("frequency_penalty", 0.0))
     if repetition != 1.0 or presence or frequency:
         stages.append(Penalties(repetition, presence, frequency, since=prompt_length))
+    filters = []
+    if float(req.get("typical_p", 1.0)) != 1.0:
+        filters.append(Typical(float(req["typical_p"])))
+    if float(req.get("top_n_sigma", 0.0)):
+        filters.append(TopNSigma(float(req["top_n_sigma"])))
+    if float(req.get("xtc_probability", 0.0)):
+        filters.append(XTC(float(req["xtc_probability"]), float(req.get("xtc_threshold", 0.1))))
     top_k, min_p = int(req.get("top_k", 0)), float(req.get("min_p", 0.0))
-    if not stages and not top_k and not min_p:
+    if not stages and not filters and not top_k and not min_p:
         return Greedy() if greedy else Random(temperature, top_p=top_p, seed=seed)
     if greedy:
         return Chain(*stages, Greedy())
-    return Chain(*stages, Temperature(temperature), TopK(top_k), TopP(top_p), MinP(min_p), seed=seed)
+    random_stages = [Temperature(temperature), TopK(top_k), TopP(top_p), MinP(min_p), *filters]
+    return Chain(*stages, *random_stages, seed=seed)
 
 
 def _prompt_tokens(prompt: dict) -> list[int]:

@@ -56,6 +56,8 @@ def sample_forward() -> Message:
                             penalty_from=2,
                             penalty_last_n=64,
                             logit_bias=((12, -100.0), (30, 2.5)),
+                            typical_p=0.9,
+                            xtc_probability=0.5,
                         ),
                     )
                 ],

@@ -77,6 +77,10 @@ def sampler(draw: st.DrawFn) -> Sampler:
             repetition_from=draw(st.integers(0, 8)),
             penalty_last_n=draw(st.integers(0, 64)),
             logit_bias=tuple(sorted(draw(bias).items())),
+            typical_p=draw(st.floats(0.0625, 1.0, width=32)),
+            top_n_sigma=draw(st.floats(0.0, 4.0, width=32)),
+            xtc_probability=draw(st.floats(0.0, 1.0, width=32)),
+            xtc_threshold=draw(st.floats(0.0, 1.0, width=32)),
         )
     return base
 

@@ -15,7 +15,7 @@ from bridge_schema.messages import Hello, Probe
 from drivers.dummy.cli import create_driver
 from drivers.dummy.driver import DummyConfig, DummyDriver
 from drivers.multistep import run_steps
-from drivers.sampler_chain import SlotTokens, apply_chain_np, penalty_entries, sample_row_np
+from drivers.sampler_chain import Filters, SlotTokens, apply_chain_np, penalty_entries, sample_row_np
 
 PS = 4
 A, B, C = ord("a"), ord("b"), ord("c")
@@ -161,3 +161,62 @@ def test_dummy_logits_flag() -> None:
     assert driver.config.logits == ((33, 1.5), (A, 2.0), (B, -1.0))
     with pytest.raises(SystemExit):
         create_driver(["--logits", "a:2"])
+
+
+def _reachable(logits: np.ndarray, filters: Filters, top_k: int = 0, temperature: float = 1.0) -> set[int]:
+    """The tokens the plain sampler can draw: one draw at each step of u over [0, 1)."""
+    return {sample_row_np(logits, temperature, top_k, 1.0, 0.0, u, filters) for u in np.linspace(0, 0.999, 400)}
+
+
+def test_filters_keep_what_their_rules_say() -> None:
+    logits = np.array([5.0, 4.5, 4.0, 1.0, 0.5, 0.0, 0.0, -1.0], dtype=np.float32)
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    assert _reachable(logits, Filters()) == set(range(8))
+    # Top-n-sigma: within n (population) standard deviations of the best logit.
+    sigma = float(logits.std())
+    expect = {t for t in range(8) if logits[t] >= 5.0 - 0.5 * sigma}
+    assert _reachable(logits, Filters(top_n_sigma=0.5)) == expect and 1 < len(expect) < 8
+    # Typical: the tokens nearest the entropy in surprisal, until they hold the mass. One likely
+    # token among 20 alike: the 20 are the typical ones, and it is left out.
+    flat = np.array([3.0] + [1.0] * 20, dtype=np.float32)
+    p = np.exp(flat - flat.max())
+    p /= p.sum()
+    entropy = -float(np.sum(p * np.log(p)))
+    nearest = np.argsort(np.abs(-np.log(p) - entropy), kind="stable")
+    held, typical = 0.0, set()
+    for t in nearest.tolist():
+        typical.add(t)
+        held += p[t]
+        if held >= 0.5:
+            break
+    assert _reachable(flat, Filters(typical_p=0.5)) == typical and 0 not in typical and len(typical) > 5
+    # XTC: every token at least 0.15 likely but the least likely of them goes, when it fires.
+    above = [t for t in range(8) if probs[t] >= 0.15]
+    assert len(above) >= 2
+    fired = _reachable(logits, Filters(xtc_probability=0.5, xtc_threshold=0.15, xtc_draw=0.2))
+    assert fired == set(range(8)) - set(above[:-1])
+    assert _reachable(logits, Filters(xtc_probability=0.5, xtc_threshold=0.15, xtc_draw=0.7)) == set(range(8))
+    # One token above the threshold: XTC leaves it.
+    assert 0 in _reachable(logits, Filters(xtc_probability=1.0, xtc_threshold=0.5, xtc_draw=0.0))
+
+
+def test_filters_on_the_dummy_match_the_reference() -> None:
+    logits = ((A, 3.0), (B, 2.6), (C, 2.2), (7, 1.0))
+    driver = _dummy(logits=logits)
+    row = np.zeros(260, dtype=np.float32)
+    for t, v in logits:
+        row[t] = v
+    from bridge_schema.sampling import seeded_uniform, xtc_uniform
+
+    for seed in range(16):
+        s = dataclasses.replace(
+            Sampler.random(temperature=0.4, seed=seed),
+            typical_p=0.9,
+            top_n_sigma=1.5,
+            xtc_probability=0.5,
+            xtc_threshold=0.2,
+        )
+        got = _tokens(driver, [_request([1, 2], [0], 2, s)])[0]
+        u, xtc = float(seeded_uniform([seed], [1])[0]), float(xtc_uniform([seed], [1])[0])
+        assert got == sample_row_np(row, 0.4, 0, 1.0, 0.0, u, Filters(0.9, 1.5, 0.5, 0.2, xtc))

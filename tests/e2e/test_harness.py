@@ -250,10 +250,12 @@ def test_sampler_chains_through_every_sdk_path(inferlet_runner: InferletRunner) 
     c, b; a +100 bias forces its token; a mask and the chain compose."""
     result = inferlet_runner.run(str(HERE / "inferlets" / "chains"))
     assert result.ok, result.error
-    assert result.output.splitlines() == [
+    assert result.output.splitlines()[:-1] == [
         "probe k 20",
         "decode_step abcaa",
         "complete abacb",
         "decode_steps abc|zzz",
         "masked bcb",
     ]
+    xtc = result.output.splitlines()[-1]
+    assert xtc.startswith("xtc ") and set(xtc[4:]) <= {"b", "c"} and len(xtc) == 10

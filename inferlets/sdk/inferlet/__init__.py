@@ -32,10 +32,25 @@ from inferlet.errors import InferletError
 from inferlet.grammar import Grammar, GrammarError, Matcher
 from inferlet.model import ChatMessage, ModelInfo, detokenize, model_info, render_chat, tokenize
 from inferlet.runtime import args, emit, log, receive, run_id, send
-from inferlet.sampling import Chain, Greedy, LogitBias, MinP, Penalties, Random, Sampler, Temperature, TopK, TopP
+from inferlet.sampling import (
+    XTC,
+    Chain,
+    Greedy,
+    LogitBias,
+    MinP,
+    Penalties,
+    Random,
+    Sampler,
+    Temperature,
+    TopK,
+    TopNSigma,
+    TopP,
+    Typical,
+)
 from inferlet.text import TextDecoder
 
 __all__ = [
+    "XTC",
     "Adapter",
     "AdapterError",
     "ArgumentParser",
@@ -60,7 +75,9 @@ __all__ = [
     "TextDecoder",
     "TokenChoice",
     "TopK",
+    "TopNSigma",
     "TopP",
+    "Typical",
     "Window",
     "args",
     "decode_steps",

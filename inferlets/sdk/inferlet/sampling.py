@@ -43,7 +43,7 @@ class Random:
         return _inf.Sampler(_inf.SamplerKind.RANDOM, self.temperature, self.top_k, self.top_p, self.min_p, self.seed)
 
 
-_Stages = tuple[list[tuple[int, float]], "_inf.Penalties | None"]
+_Stages = tuple[list[tuple[int, float]], "_inf.Penalties | None", "_inf.Filters | None"]
 
 
 @dataclass(frozen=True)
@@ -97,10 +97,12 @@ class LogitBias:
 class Chain:
     """Samplers that compose: stages the driver applies to a row's logits, then the draw, e.g.
     `Chain(Penalties(frequency=0.5), TopK(40), MinP(0.05), Temperature(0.8), seed=7)`. Stages:
-    `LogitBias`, `Penalties`, `Temperature`, `TopK`, `TopP`, `MinP`, and `Greedy()` for the most
-    likely token instead of a random draw. The driver runs them in one fixed order whatever the
-    order given: logit bias, penalties, the logit mask, temperature, top-k, top-p, min-p; so
-    `Chain(Temperature(t), TopK(k))` and `Chain(TopK(k), Temperature(t))` are the same sampler.
+    `LogitBias`, `Penalties`, `Temperature`, `TopNSigma`, `TopK`, `TopP`, `MinP`, `Typical`,
+    `XTC`, and `Greedy()` for the most likely token instead of a random draw (which the filters
+    then do not narrow). The driver runs them in one fixed order whatever the order given: logit
+    bias, penalties, the logit mask, temperature, top-n-sigma, top-k, top-p, min-p, typical,
+    XTC, the draw; so `Chain(Temperature(t), TopK(k))` and `Chain(TopK(k), Temperature(t))` are
+    the same sampler.
     Everything runs in the driver, batched over rows and pre-fired by the speculator like a
     plain sampler."""
 
@@ -109,7 +111,7 @@ class Chain:
 
     def __init__(self, *stages: object, seed: int = -1) -> None:
         need(seed, int, "Chain's seed")
-        kinds = (LogitBias, Penalties, Temperature, TopK, TopP, MinP, Greedy)
+        kinds = (LogitBias, Penalties, Temperature, TopK, TopP, MinP, Typical, TopNSigma, XTC, Greedy)
         for stage in stages:
             if not isinstance(stage, kinds):
                 raise TypeError(f"a Chain stage is one of {', '.join(k.__name__ for k in kinds)}, not {stage!r}")
@@ -136,10 +138,20 @@ class Chain:
     def stages_to_wit(self) -> _Stages | None:
         bias = self._get(LogitBias, None)
         penalties = self._get(Penalties, None)
-        if bias is None and penalties is None:
+        typical, sigma, xtc = self._get(Typical, None), self._get(TopNSigma, None), self._get(XTC, None)
+        filters = None
+        if typical is not None or sigma is not None or xtc is not None:
+            filters = _inf.Filters(
+                typical.value if isinstance(typical, Typical) else 1.0,
+                sigma.value if isinstance(sigma, TopNSigma) else 0.0,
+                xtc.probability if isinstance(xtc, XTC) else 0.0,
+                xtc.threshold if isinstance(xtc, XTC) else 0.1,
+            )
+        if bias is None and penalties is None and filters is None:
             return None
         pairs = sorted(bias.bias.items()) if isinstance(bias, LogitBias) else []
-        return [(int(t), float(v)) for t, v in pairs], penalties.to_wit() if isinstance(penalties, Penalties) else None
+        wit_penalties = penalties.to_wit() if isinstance(penalties, Penalties) else None
+        return [(int(t), float(v)) for t, v in pairs], wit_penalties, filters
 
 
 @dataclass(frozen=True)
@@ -180,6 +192,46 @@ class MinP:
         need(self.value, (float, int), "MinP")
         if not 0 <= self.value < 1:
             raise ValueError("MinP must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class Typical:
+    """Locally typical sampling: keep the tokens whose surprisal is nearest the distribution's
+    entropy, until they hold `value` of the mass (llama.cpp's typical_p)."""
+
+    value: float
+
+    def __post_init__(self) -> None:
+        need(self.value, (float, int), "Typical")
+        if not 0 < self.value <= 1:
+            raise ValueError("Typical must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class TopNSigma:
+    """Keep the tokens whose logit is within `value` standard deviations of the best."""
+
+    value: float
+
+    def __post_init__(self) -> None:
+        need(self.value, (float, int), "TopNSigma")
+        if not 0 <= self.value < float("inf"):
+            raise ValueError("TopNSigma must be >= 0 (0: off)")
+
+
+@dataclass(frozen=True)
+class XTC:
+    """Exclude the top choices: with `probability`, remove every token at least `threshold`
+    likely but the least likely of them, when there are two or more."""
+
+    probability: float
+    threshold: float = 0.1
+
+    def __post_init__(self) -> None:
+        need(self.probability, (float, int), "XTC's probability")
+        need(self.threshold, (float, int), "XTC's threshold")
+        if not (0 <= self.probability <= 1 and 0 <= self.threshold <= 1):
+            raise ValueError("XTC's probability and threshold must be in [0, 1]")
 
 
 Sampler = Greedy | Random | Chain

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from bridge_schema.batch import OutputSpec, RequestSpec, Sampler, split_result
-from bridge_schema.sampling import seeded_uniform
+from bridge_schema.sampling import seeded_uniform, xtc_uniform
 from drivers.multistep import run_steps
-from drivers.sampler_chain import SlotTokens, apply_chain_np, sample_row_np
+from drivers.sampler_chain import Filters, SlotTokens, apply_chain_np, sample_row_np
 from drivers.torch.driver import TorchDriver
 from drivers.torch.sampling import apply_chain
 from tests.drivers.torch.helpers import forward, load_dir, make_driver, random_tokens, request, write_tiny_llama
@@ -134,3 +134,32 @@ def test_multi_step_with_penalties_equals_single_steps(driver: TorchDriver) -> N
     multi = RequestSpec(9, [first], [len(PROMPT)], pages, kv_len - (len(pages) - 1) * PS, outputs, steps=4)
     assert run_steps(driver.forward, forward([multi]), PS).tokens.tolist() == said[1:]
     assert len(set(said)) > 1  # the penalty moved the choice at least once
+
+
+FILTERS = {
+    "typical": {"typical_p": 0.6},
+    "top_n_sigma": {"top_n_sigma": 0.8},
+    "xtc": {"xtc_probability": 0.7, "xtc_threshold": 0.05},
+    "all": {"typical_p": 0.8, "top_n_sigma": 1.2, "xtc_probability": 0.5, "xtc_threshold": 0.08},
+}
+
+
+@pytest.mark.parametrize("name", sorted(FILTERS))
+def test_filters_match_the_reference_alone_and_batched(driver: TorchDriver, name: str) -> None:
+    kw = FILTERS[name]
+    raw = driver.logits(forward([request(PROMPT, 0, range(8), PS)]))[0].float().numpy()
+    differs = 0
+    for seed in range(12):
+        s = _chain(Sampler.random(temperature=1.5, top_k=30, seed=seed), **kw)
+        spec = request(PROMPT, 0, range(8), PS, sampler=s, context_id=1)
+        other = request(PROMPT[:7], 0, range(8, 16), PS, sampler=Sampler.random(seed=3), context_id=2)
+        position = len(PROMPT) - 1
+        u, xtc = float(seeded_uniform([seed], [position])[0]), float(xtc_uniform([seed], [position])[0])
+        typical, sigma = kw.get("typical_p", 1.0), kw.get("top_n_sigma", 0.0)
+        filters = Filters(typical, sigma, kw.get("xtc_probability", 0.0), kw.get("xtc_threshold", 0.1), xtc)
+        expect = sample_row_np(raw, 1.5, 30, 1.0, 0.0, u, filters)
+        differs += expect != sample_row_np(raw, 1.5, 30, 1.0, 0.0, u)
+        alone, batched = forward([spec]), forward([other, spec])
+        assert split_result(alone, driver.forward(alone))[0][0].token == expect
+        assert split_result(batched, driver.forward(batched))[1][0].token == expect
+    assert differs  # the filter changed at least one draw

@@ -47,10 +47,13 @@ BAD_CHAT: list[tuple[dict[str, Any], str | None]] = [
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": 2}, None),  # needs logprobs: true
     ({"frequency_penalty": 3}, "frequency_penalty"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty"),  # valid range, not supported
-    ({"presence_penalty": 1}, "presence_penalty"),
+    ({"frequency_penalty": "0.5"}, "frequency_penalty"),
+    ({"presence_penalty": -2.5}, "presence_penalty"),
     ({"logit_bias": {"1": 200}}, "logit_bias.1"),
-    ({"logit_bias": {"1": 5}}, "logit_bias"),
+    ({"logit_bias": {"one": 5}}, "logit_bias"),  # not a token id
+    ({"logit_bias": {"100000": 5}}, "logit_bias"),  # outside the vocabulary
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"typical_p": 1.5}, "typical_p"),
     ({"stream_options": {"include_usage": True}, "stream": False}, None),
     ({"no_such_field": 1}, "no_such_field"),
     ({"messages": [{"role": "user", "content": LONG}]}, "messages"),  # longer than the context

@@ -30,7 +30,8 @@ def scripted(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 def _complete(srv: Server, prompt: str = "xyz", **params: object) -> str:
-    extra = {k: params.pop(k) for k in ("repetition_penalty", "top_k", "min_p") if k in params}
+    extensions = ("repetition_penalty", "top_k", "min_p", "typical_p", "top_n_sigma", "xtc_probability")
+    extra = {k: params.pop(k) for k in (*extensions, "xtc_threshold") if k in params}
     params.setdefault("temperature", 0)
     response = srv.client().completions.create(
         model="dummy",
@@ -88,6 +89,20 @@ def test_min_p_keeps_only_the_likely(scripted: Server) -> None:
     assert set("".join(texts)) <= {"a", "b"} and len(texts) > 1
 
 
+def test_llama_cpp_filters(scripted: Server) -> None:
+    # At temperature 0.3, a is 74% likely and b 20%: XTC at 0.15 removes a (b stays, the last of
+    # the two above it), so the three candidates top_k leaves come down to b and c.
+    texts = {
+        _complete(scripted, temperature=0.3, top_k=3, xtc_probability=1.0, xtc_threshold=0.15, seed=s) for s in range(4)
+    }
+    assert set("".join(texts)) <= {"b", "c"}
+    plain = {_complete(scripted, temperature=0.3, top_k=3, seed=s) for s in range(4)}
+    assert "a" in "".join(plain)
+    # top_n_sigma 0.01: only the best logit is near enough; typical_p passes through to the driver.
+    assert _complete(scripted, temperature=1.0, top_n_sigma=0.01, seed=1) == "aaaaa"
+    assert len(_complete(scripted, temperature=1.0, typical_p=0.5, seed=1)) == 5
+
+
 @pytest.mark.parametrize(
     ("params", "param"),
     [
@@ -98,6 +113,8 @@ def test_min_p_keeps_only_the_likely(scripted: Server) -> None:
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"min_p": 1.0}, "min_p"),
         ({"top_k": -2}, "top_k"),
+        ({"typical_p": 0}, "typical_p"),
+        ({"xtc_probability": 1.5}, "xtc_probability"),
     ],
 )
 def test_out_of_range_is_a_400_naming_the_parameter(server: Server, params: dict, param: str) -> None:  # type: ignore[type-arg]

@@ -2,12 +2,17 @@
 per path: the tokens' text."""
 
 from inferlet import (
+    XTC,
     Chain,
     Context,
     Greedy,
     LogitBias,
     LogitMask,
     Penalties,
+    Temperature,
+    TopK,
+    TopNSigma,
+    Typical,
     decode_steps,
     detokenize,
     emit,
@@ -36,3 +41,8 @@ def main(args: list[str]) -> None:
         ctx.fill("xyz")
         mask = LogitMask.forbid([ord("a")], info.vocab_size)
         emit("masked " + detokenize([ctx.decode_step(no_repeat, logit_mask=mask) for _ in range(3)]) + "\n")
+    with Context() as ctx:
+        ctx.fill("xyz")
+        # At temperature 0.3 a is 74% likely, b 20%: XTC at 0.15 leaves b and c of the top three.
+        xtc = Chain(XTC(1.0, 0.15), TopK(3), Temperature(0.3), Typical(0.99), TopNSigma(50.0), seed=3)
+        emit("xtc " + detokenize([ctx.decode_step(xtc) for _ in range(6)]) + "\n")

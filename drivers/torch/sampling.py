@@ -5,6 +5,7 @@ so a request samples the same tokens alone or in any batch."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -115,13 +116,18 @@ def apply_chain(logits: torch.Tensor, fwd: Forward, slot_tokens: SlotTokens) -> 
 
 
 def _uniforms(
-    fwd: Forward, rows: npt.NDArray[np.int64], positions: npt.NDArray[np.int64], gen: torch.Generator
+    fwd: Forward,
+    rows: npt.NDArray[np.int64],
+    positions: npt.NDArray[np.int64],
+    gen: torch.Generator,
+    stream: Callable[[npt.ArrayLike, npt.ArrayLike], npt.NDArray[np.float64]] = seeded_uniform,
 ) -> npt.NDArray[np.float64]:
-    """Each random row's draw in [0, 1): from (seed, position) where seeded, else from `gen`."""
+    """Each random row's draw in [0, 1): from `stream(seed, position)` where seeded (the token's
+    draw, or XTC's), else from `gen`."""
     seeds = fwd.seed[rows]
     u = np.empty(len(rows), dtype=np.float64)
     seeded = seeds >= 0
-    u[seeded] = seeded_uniform(seeds[seeded], positions[seeded])
+    u[seeded] = stream(seeds[seeded], positions[seeded])
     if np.any(~seeded):
         u[~seeded] = torch.rand(int((~seeded).sum()), generator=gen, dtype=torch.float64).numpy()
     return u
@@ -138,24 +144,11 @@ def _random_tokens(
     over each row), else these torch steps, which it follows."""
     u = _uniforms(fwd, rows, positions, gen)
     if len(fwd.typical_p):  # filters the C++ op does not run
-        return _random_tokens_torch(logits, fwd, rows, u, _xtc_draws(fwd, rows, positions, gen))
+        return _random_tokens_torch(logits, fwd, rows, u, _uniforms(fwd, rows, positions, gen, xtc_uniform))
     native = cpu_kernels.sample_rows(
         logits, rows, fwd.temperature[rows], fwd.top_k[rows], fwd.top_p[rows], fwd.min_p[rows], u
     )
     return native if native is not None else _random_tokens_torch(logits, fwd, rows, u)
-
-
-def _xtc_draws(
-    fwd: Forward, rows: npt.NDArray[np.int64], positions: npt.NDArray[np.int64], gen: torch.Generator
-) -> npt.NDArray[np.float64]:
-    """Each random row's XTC draw: from `xtc_uniform(seed, position)` where seeded, else `gen`."""
-    seeds = fwd.seed[rows]
-    draws = np.empty(len(rows), dtype=np.float64)
-    seeded = seeds >= 0
-    draws[seeded] = xtc_uniform(seeds[seeded], positions[seeded])
-    if np.any(~seeded):
-        draws[~seeded] = torch.rand(int((~seeded).sum()), generator=gen, dtype=torch.float64).numpy()
-    return draws
 
 
 def _random_tokens_torch(

@@ -106,4 +106,4 @@ def register(instance: LinkerInstance) -> None:
     instance.add_func("[method]context.release-pages", release_pages)
     instance.add_func("[method]context.num-pages", num_pages)
     instance.add_func("pages-in-use", pages_in_use)
-    raw_calls.add_raw_func(instance, "[method]context.id", handle_id(KIND))
+    raw_calls.add_raw_func(instance, "[method]context.id", handle_id(KIND), 1)

@@ -112,6 +112,36 @@ def output(run: RunState, handle: ResourceAny, row: int, sampler: Any, probe: An
     pass_builder(run, handle).outputs.append(spec)
 
 
+_PENALTY_FIELDS = (
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "penalty_from",
+    "repetition_from",
+    "penalty_last_n",
+)
+_FILTER_FIELDS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold")
+
+
+def _with_stages(
+    sampler: Sampler, logit_bias: list[tuple[int, float]], penalties: tuple[Any, ...], filters: tuple[float, ...]
+) -> Sampler:
+    """`sampler` with a chain's stages: the bias pairs, and the penalties' and filters' record
+    fields in WIT order (empty for none)."""
+    stages: dict[str, Any] = {"logit_bias": tuple(sorted((int(t), float(b)) for t, b in logit_bias))}
+    stages.update(zip(_PENALTY_FIELDS, penalties, strict=False))
+    stages.update(zip(_FILTER_FIELDS, filters, strict=False))
+    return replace(sampler, **stages)
+
+
+def _record(rec: Any, names: tuple[str, ...]) -> tuple[Any, ...]:
+    return () if rec is None else tuple(rec_field(rec, name) for name in names)
+
+
+_PENALTY_RECORD = ("repetition", "presence", "frequency", "since", "repetition_since", "last_n")
+_FILTER_RECORD = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold")
+
+
 @host_function
 def sampler_stages(
     run: RunState, handle: ResourceAny, row: int, logit_bias: list[Any], penalties: Any, filters: Any
@@ -120,24 +150,8 @@ def sampler_stages(
     _charge(run, builder, len(logit_bias) * 2 * _ELEMENT_BYTES)
     for i, spec in enumerate(builder.outputs):
         if spec.row == row:
-            stages: dict[str, Any] = {"logit_bias": tuple(sorted((int(t), float(b)) for t, b in logit_bias))}
-            if penalties is not None:
-                stages.update(
-                    repetition_penalty=float(rec_field(penalties, "repetition")),
-                    presence_penalty=float(rec_field(penalties, "presence")),
-                    frequency_penalty=float(rec_field(penalties, "frequency")),
-                    penalty_from=int(rec_field(penalties, "since")),
-                    repetition_from=int(rec_field(penalties, "repetition_since")),
-                    penalty_last_n=int(rec_field(penalties, "last_n")),
-                )
-            if filters is not None:
-                stages.update(
-                    typical_p=float(rec_field(filters, "typical_p")),
-                    top_n_sigma=float(rec_field(filters, "top_n_sigma")),
-                    xtc_probability=float(rec_field(filters, "xtc_probability")),
-                    xtc_threshold=float(rec_field(filters, "xtc_threshold")),
-                )
-            builder.outputs[i] = replace(spec, sampler=replace(spec.sampler, **stages))
+            stages = (logit_bias, _record(penalties, _PENALTY_RECORD), _record(filters, _FILTER_RECORD))
+            builder.outputs[i] = replace(spec, sampler=_with_stages(spec.sampler, *stages))
             return
     raise wasmtime.WasmtimeError(f"no output on row {row}: call output() for it first")
 
@@ -294,6 +308,23 @@ def _decode_raw(run: RunState, context: Any, args: Any) -> Any:
     return raw_calls.err_string(result) if isinstance(result, str) else raw_calls.ok_u32(result)
 
 
+@_raw_host_call
+def _decode_chained_raw(run: RunState, context: Any, args: Any) -> Any:
+    """`decode-chained` on the raw path: the stock glue's lifting of its bias list and option
+    records cost ~2 ms of host time a token (8 runs at once, 2 cores)."""
+    pairs = [raw_calls.tuple_values(item) for item in raw_calls.list_items(args[3])]
+    penalties, filters = raw_calls.option_value(args[4]), raw_calls.option_value(args[5])
+    penalty_values: tuple[Any, ...] = ()
+    if penalties is not None:
+        p = raw_calls.record_values(penalties)
+        penalty_values = (p[0].of.f32, p[1].of.f32, p[2].of.f32, p[3].of.u32, p[4].of.u32, p[5].of.u32)
+    filter_values = () if filters is None else tuple(v.of.f32 for v in raw_calls.record_values(filters))
+    bias = [(t.of.u32, b.of.f32) for t, b in pairs]
+    sampler = _with_stages(_raw_sampler(args[2]), bias, penalty_values, filter_values)
+    result = decode(run, raw_calls.borrow_rep(context, args[0]), raw_calls.u32_list(args[1]), sampler)
+    return raw_calls.err_string(result) if isinstance(result, str) else raw_calls.ok_u32(result)
+
+
 def decode_all(run: RunState, reps: list[int], tokens: list[Any], samplers: list[Sampler]) -> list[int | str]:
     """`decode-all`: one decode step on each context (by rep), as one group. `tokens`: each
     context's input, raw list values still in the guest's arguments."""
@@ -367,10 +398,11 @@ def register(instance: LinkerInstance) -> None:
     instance.add_func("[method]forward-pass.submit", submit)
     instance.add_func("[method]forward-pass.execute", execute)
     instance.add_func("[method]forward-pass.generate", generation.generate)
-    raw_calls.add_raw_func(instance, "[method]forward-pass.id", handle_id(KIND))
+    raw_calls.add_raw_func(instance, "[method]forward-pass.id", handle_id(KIND), 1)
     instance.add_func("execute-all", execute_all)
-    raw_calls.add_raw_func(instance, "decode-all", _decode_all_raw)
+    raw_calls.add_raw_func(instance, "decode-all", _decode_all_raw, 3)
     if USE_RAW_DECODE:
-        raw_calls.add_raw_func(instance, "decode", _decode_raw)
+        raw_calls.add_raw_func(instance, "decode", _decode_raw, 3)
     else:
         instance.add_func("decode", decode_stock)
+    raw_calls.add_raw_func(instance, "decode-chained", _decode_chained_raw, 6)

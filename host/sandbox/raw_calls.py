@@ -72,6 +72,21 @@ def record_values(val: Val) -> list[Val]:
     return [data[i].val for i in range(val.of.record.size)]
 
 
+def option_value(val: Val) -> Val | None:
+    """The value inside an `option<T>` (still owned by `val`), or None."""
+    if val.kind != ffi.WASMTIME_COMPONENT_OPTION.value:
+        raise wasmtime.WasmtimeError("expected an option")
+    return val.of.option[0] if val.of.option else None
+
+
+def tuple_values(val: Val) -> list[Val]:
+    """The values of a tuple (still owned by `val`)."""
+    if val.kind != ffi.WASMTIME_COMPONENT_TUPLE.value:
+        raise wasmtime.WasmtimeError("expected a tuple")
+    data = val.of.tuple.data
+    return [data[i] for i in range(val.of.tuple.size)]
+
+
 def enum_name(val: Val) -> str:
     return ffi.to_str(val.of.enumeration)
 
@@ -134,12 +149,17 @@ def _finalize_nothing(_env: Any) -> None:
 _no_finalizer = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_finalize_nothing)
 
 
-def add_raw_func(instance: LinkerInstance, name: str, handler: RawHandler) -> None:
-    """Register `handler` for function `name`. It gets the call's context pointer and the raw
-    argument array; it returns the result value (or None for a function without one) and may
-    raise `wasmtime.WasmtimeError` to trap the guest. It must not free or keep the arguments."""
+def add_raw_func(instance: LinkerInstance, name: str, handler: RawHandler, num_args: int) -> None:
+    """Register `handler` for function `name`, which takes `num_args` arguments. It gets the
+    call's context pointer and the raw argument array; it returns the result value (or None for
+    a function without one) and may raise `wasmtime.WasmtimeError` to trap the guest. It must not
+    free or keep the arguments. A component may import the name with any signature (wasmtime
+    lifts what the component declares): a call with another number of arguments or results
+    traps before the handler reads any, and the helpers above check each value's kind."""
 
-    def callback(_env: Any, context: Any, _ty: Any, args: Any, _nargs: int, results: Any, nresults: int) -> int:
+    def callback(_env: Any, context: Any, _ty: Any, args: Any, nargs: int, results: Any, nresults: int) -> int:
+        if nargs != num_args or nresults > 1:
+            return _error_pointer(f"{name} takes {num_args} arguments and returns at most one value")
         try:
             value = handler(context, args)
             if nresults:

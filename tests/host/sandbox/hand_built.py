@@ -96,3 +96,24 @@ def importing(name: str) -> str:
 def write(text: str, path: Path) -> Path:
     path.write_bytes(wasmtime.wat2wasm(text))
     return path
+
+
+def misdeclared_host_call(name: str) -> str:
+    """Imports wafer's `NAME` from the inference interface as a function of no arguments that
+    returns a u32 (the real one takes arguments), and calls it."""
+    return f"""
+(component
+  (import "wafer:inferlet/inference@0.1.0" (instance $inf
+    (export "{name}" (func (result u32)))
+  ))
+  (alias export $inf "{name}" (func $f))
+  (core func $f_lowered (canon lower (func $f)))
+  (core module $m
+    (import "host" "f" (func $f (result i32)))
+    (func (export "run") call $f drop)
+  )
+  (core instance $host (export "f" (func $f_lowered)))
+  (core instance $i (instantiate $m (with "host" (instance $host))))
+  (func (export "run") (canon lift (core func $i "run")))
+)
+"""

@@ -164,3 +164,16 @@ def test_wafer_run_refuses_the_sleeper_and_the_hogs(sandbox: Sandbox, tmp_path: 
         code, err, peak_mib = _wafer_run(hog, "--memory-mib", "256")
         assert code != 0 and "the component needs more than a run may have" in err, err
         assert peak_mib <= 700, f"{name}: peak RSS {peak_mib:.0f} MiB"
+
+
+@pytest.mark.parametrize("name", ["decode", "decode-all", "decode-chained"])
+def test_a_raw_host_call_imported_with_another_signature_traps_cleanly(
+    sandbox: Sandbox, services: TableServices, tmp_path: Path, name: str
+) -> None:
+    """The raw host calls read their arguments straight from wasmtime's array, which holds what
+    the component declared: a component that declares none must get an error, not a read past
+    the array (and the host serves the next run as before)."""
+    wasm = hand_built.write(hand_built.misdeclared_host_call(name), tmp_path / f"{name}.wasm")
+    outcome = sandbox.start(sandbox.load(wasm), services).wait(60)
+    assert outcome.status is not RunStatus.OK
+    assert f"{name} takes" in (outcome.error or ""), outcome.error

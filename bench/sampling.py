@@ -1,6 +1,7 @@
 """Sampler chains: decode tokens/s on SmolLM2 (the torch driver) at batch 1 and 8, greedy against
 a six-stage chain (logit bias, penalties, temperature, top-k, top-p, min-p) run by the driver and
-the same chain written as a guest loop over each step's top 20 tokens, side by side in one run.
+the same chain written as a guest loop over each step's top 20 tokens, side by side in one run,
+with a plain `Random` sampler (the chain's last four stages) for reference.
 Batch B is B concurrent runs of `bench/inferlets/sampling_chain`, one context each; the modes
 alternate within each round, medians over the rounds.
 
@@ -28,7 +29,7 @@ from host.engine import Engine, EngineConfig
 from host.sandbox.config import SandboxConfig, default_cache_dir
 from host.sandbox.sandbox import Sandbox
 
-MODES = ("greedy", "driver", "guest")
+MODES = ("greedy", "random", "driver", "guest")
 
 
 def log(message: str) -> None:
@@ -80,14 +81,19 @@ def main() -> None:
                 {
                     "batch": batch,
                     "mode": mode,
-                    "where": "" if mode == "greedy" else mode,
+                    "where": mode if mode in ("driver", "guest") else "",
                     "tokens_per_s": round(speed, 2),
                     "ratio_vs_greedy": round(speed / greedy, 3),
                     "rounds": [round(s, 2) for s in speeds[(batch, mode)]],
                 }
             )
     print(f"{'batch':>5} {'sampler':<22} {'tok/s':>8} {'vs greedy':>9}")
-    names = {"greedy": "greedy", "driver": "6-stage chain, driver", "guest": "6-stage chain, guest"}
+    names = {
+        "greedy": "greedy",
+        "random": "Random (4 stages)",
+        "driver": "6-stage chain, driver",
+        "guest": "6-stage chain, guest",
+    }
     for r in rows:
         print(f"{r['batch']:>5} {names[r['mode']]:<22} {r['tokens_per_s']:>8.1f} {r['ratio_vs_greedy']:>9.3f}")
     out = Path(args.out)

@@ -1,7 +1,8 @@
 """sampling_chain (benchmarks): one context decoding `--tokens` tokens with a six-stage sampler
-(logit bias, penalties, temperature, top-k, top-p, min-p), run three ways: `greedy` (no stages),
-`driver` (the stages as a `Chain`, run by the driver) and `guest` (the same stages written here,
-in Python, over the top 20 tokens each step reports)."""
+(logit bias, penalties, temperature, top-k, top-p, min-p), run four ways: `greedy` (no stages),
+`random` (the last four stages, a plain `Random`), `driver` (the six stages as a `Chain`, run by
+the driver) and `guest` (the same stages written here, in Python, over the top 20 tokens each
+step reports)."""
 
 import math
 import random
@@ -13,6 +14,7 @@ from inferlet import (
     LogitBias,
     MinP,
     Penalties,
+    Random,
     Temperature,
     TopK,
     TopP,
@@ -20,7 +22,7 @@ from inferlet import (
 )
 
 PARSER = ArgumentParser(prog="sampling_chain")
-PARSER.add_argument("--mode", choices=["greedy", "driver", "guest"], default="driver")
+PARSER.add_argument("--mode", choices=["greedy", "random", "driver", "guest"], default="driver")
 PARSER.add_argument("--tokens", type=int, default=64)
 PARSER.add_argument("--seed", type=int, default=1)
 
@@ -69,6 +71,10 @@ def main(args: list[str]) -> None:
         if opts.mode == "greedy":
             for _ in range(opts.tokens):
                 ctx.decode_step()
+        elif opts.mode == "random":  # the sampler's last four stages only, in the one-call decode
+            sampler = Random(TEMPERATURE, TOP_K, TOP_P, MIN_P, seed=opts.seed)
+            for _ in range(opts.tokens):
+                ctx.decode_step(sampler)
         elif opts.mode == "driver":
             sampler = Chain(
                 LogitBias(BIAS),

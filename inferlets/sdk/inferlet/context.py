@@ -279,10 +279,13 @@ class Context:
         if not todo:
             raise InferenceError("nothing to predict from: fill() the context first")
         constrained = logit_mask is not None or matcher is not None or attention_rows is not None
-        constrained = constrained or isinstance(sampler, Chain)
         if self.adapter is None and self.attention is None and not constrained:
             self._check_fits()
-            token = _call(_inf.decode, self._live(), todo, sampler.to_wit())
+            stages = sampler.stages_to_wit() if isinstance(sampler, Chain) else None
+            if stages is None:
+                token = _call(_inf.decode, self._live(), todo, sampler.to_wit())
+            else:
+                token = _call(_inf.decode_chained, self._live(), todo, sampler.to_wit(), *stages)
             self._committed = len(self._tokens)
         else:  # the one-call `decode` carries no adapter or mask: use a full forward pass
             token = self._run_pending(sampler, _NO_PROBE, 0, logit_mask, matcher, attention_rows).token

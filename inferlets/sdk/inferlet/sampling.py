@@ -120,11 +120,20 @@ class Chain:
                 raise ValueError(f"a Chain has at most one {kind.__name__}")
         object.__setattr__(self, "stages", tuple(stages))
         object.__setattr__(self, "seed", seed)
+        # Their boundary forms, made once: a decode step with the chain only passes them on.
+        object.__setattr__(self, "_wit", self._make_wit())
+        object.__setattr__(self, "_wit_stages", self._make_stages())
 
     def _get(self, kind: type, default: object) -> object:
         return next((stage for stage in self.stages if isinstance(stage, kind)), default)
 
     def to_wit(self) -> _inf.Sampler:
+        return self._wit  # type: ignore[attr-defined,no-any-return]
+
+    def stages_to_wit(self) -> _Stages | None:
+        return self._wit_stages  # type: ignore[attr-defined,no-any-return]
+
+    def _make_wit(self) -> _inf.Sampler:
         if any(isinstance(stage, Greedy) for stage in self.stages):
             return Greedy().to_wit()
         return Random(
@@ -135,7 +144,7 @@ class Chain:
             seed=self.seed,
         ).to_wit()
 
-    def stages_to_wit(self) -> _Stages | None:
+    def _make_stages(self) -> _Stages | None:
         bias = self._get(LogitBias, None)
         penalties = self._get(Penalties, None)
         typical, sigma, xtc = self._get(Typical, None), self._get(TopNSigma, None), self._get(XTC, None)

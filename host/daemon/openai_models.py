@@ -148,6 +148,8 @@ class _Sampling(_Strict):
     repetition_penalty: RepetitionPenalty | None = None
     top_k: TopK | None = None
     min_p: MinP | None = None
+    # vLLM's: logprobs name each token "token_id:N" (for tokens whose text does not round-trip).
+    return_tokens_as_token_ids: StrictBool | None = None
     # llama.cpp's server's filters.
     typical_p: Annotated[StrictFloat | StrictInt, Field(gt=0.0, le=1.0)] | None = None
     top_n_sigma: Annotated[StrictFloat | StrictInt, Field(ge=0.0, le=100.0)] | None = None

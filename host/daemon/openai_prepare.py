@@ -56,6 +56,7 @@ class Job:
     include_usage: bool
     tool_call: str = ""  # "" (text), "forced" (the output is one call) or "auto" (text, calls in markers)
     echo: tuple[str, ...] = ()  # completions with echo: each prompt's text, which its choices start with
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
 
 
 def check_model(requested: str, served: str) -> None:
@@ -185,7 +186,8 @@ def _job(
     if req.ignore_eos:
         args["ignore_eos"] = True
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return Job(args, len(prompts), n, prompt_tokens, logprobs, top_logprobs, bool(req.stream), include_usage)
+    job = Job(args, len(prompts), n, prompt_tokens, logprobs, top_logprobs, bool(req.stream), include_usage)
+    return replace(job, tokens_as_ids=True) if req.return_tokens_as_token_ids else job
 
 
 def _prompt_list(prompt: Any) -> list[str | list[int]]:

@@ -282,6 +282,10 @@ class Renderer:
             self._token_text[token] = text
         return text
 
+    def _name(self, token: int) -> str:
+        """How logprobs name a token: its text, or "token_id:N" (`return_tokens_as_token_ids`)."""
+        return f"token_id:{token}" if self.job.tokens_as_ids else self._text(token)
+
     def _bytes(self, token: int) -> list[int]:
         if isinstance(self._tokenizer, BytesTokenizer):
             return [token] if token < 256 else []
@@ -292,11 +296,11 @@ class Renderer:
         for token, logprob, top_ids, top_lps in entries:
             content.append(
                 {
-                    "token": self._text(token),
+                    "token": self._name(token),
                     "logprob": logprob,
                     "bytes": self._bytes(token),
                     "top_logprobs": [
-                        {"token": self._text(t), "logprob": lp, "bytes": self._bytes(t)}
+                        {"token": self._name(t), "logprob": lp, "bytes": self._bytes(t)}
                         for t, lp in zip(top_ids, top_lps, strict=True)
                     ],
                 }
@@ -307,10 +311,10 @@ class Renderer:
         tokens, token_lps, tops, offsets = [], [], [], []
         for token, logprob, top_ids, top_lps in entries:
             text = self._text(token)
-            tokens.append(text)
+            tokens.append(self._name(token))
             token_lps.append(logprob)
             # A prompt's first token has no logprob (echo): null, with null top logprobs.
-            top = {self._text(t): lp for t, lp in zip(top_ids, top_lps, strict=True)}
+            top = {self._name(t): lp for t, lp in zip(top_ids, top_lps, strict=True)}
             tops.append(None if logprob is None else top)
             offsets.append(offset)
             offset += len(text)

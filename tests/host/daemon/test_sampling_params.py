@@ -121,3 +121,31 @@ def test_out_of_range_is_a_400_naming_the_parameter(server: Server, params: dict
     with pytest.raises(openai.BadRequestError) as err:
         _complete(server, **params)
     assert param in str(err.value)
+
+
+def test_return_tokens_as_token_ids(scripted: Server) -> None:
+    """vLLM's option: logprobs name tokens "token_id:N", in chat and legacy completions alike."""
+    chat = scripted.client().chat.completions.create(
+        model="dummy",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert [c.token for c in content] == [f"token_id:{ord(ch)}" for ch in "aaa"]
+    assert [t.token for t in content[0].top_logprobs] == [f"token_id:{ord('a')}", f"token_id:{ord('b')}"]
+    legacy = scripted.client().completions.create(
+        model="dummy",
+        prompt="xyz",
+        max_tokens=2,
+        temperature=0,
+        logprobs=1,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    lp = legacy.choices[0].logprobs
+    assert lp is not None and lp.tokens == [f"token_id:{ord('a')}"] * 2 and lp.text_offset == [0, 1]
+    plain = scripted.client().completions.create(model="dummy", prompt="xyz", max_tokens=2, temperature=0, logprobs=1)
+    assert plain.choices[0].logprobs.tokens == ["a", "a"]  # type: ignore[union-attr]

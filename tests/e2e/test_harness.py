@@ -250,12 +250,16 @@ def test_sampler_chains_through_every_sdk_path(inferlet_runner: InferletRunner) 
     c, b; a +100 bias forces its token; a mask and the chain compose."""
     result = inferlet_runner.run(str(HERE / "inferlets" / "chains"))
     assert result.ok, result.error
-    assert result.output.splitlines()[:-1] == [
+    lines = result.output.splitlines()
+    # `step`: a, its logprob with b masked out (a 3, c 2.2, 257 tokens at 0), the top two; then b.
+    expect = 3.0 - math.log(math.exp(3.0) + math.exp(2.2) + 257)
+    assert lines.pop() == f"step a {expect:.3f} ['a', 'c'] b"
+    assert lines[:-1] == [
         "probe k 20",
         "decode_step abcaa",
         "complete abacb",
         "decode_steps abc|zzz",
         "masked bcb",
     ]
-    xtc = result.output.splitlines()[-1]
+    xtc = lines[-1]
     assert xtc.startswith("xtc ") and set(xtc[4:]) <= {"b", "c"} and len(xtc) == 10

@@ -292,6 +292,23 @@ class Context:
         self._tokens.append(token)
         return token
 
+    def step(
+        self,
+        sampler: Sampler = GREEDY,
+        logit_mask: LogitMask | None = None,
+        matcher: Matcher | None = None,
+        top_k: int = 0,
+    ) -> tuple[TokenChoice, list[TokenChoice]]:
+        """`decode_step` that also reports what it chose from: the sampled token (which becomes
+        pending) with its logprob, and the `top_k` most likely tokens (at most
+        `model_info().max_probe_k`), best first. Logprobs are after the sampler chain's bias and
+        penalties and the mask or grammar, before temperature. One pass, like `decode_step`."""
+        out = self._run_pending(sampler, _inf.Probe.LOGPROBS, top_k, logit_mask, matcher)
+        token = int(out.token)
+        self._tokens.append(token)
+        top = [TokenChoice(int(t), float(p)) for t, p in zip(out.topk_ids, out.topk_logprobs, strict=True)]
+        return TokenChoice(token, float(out.logprob)), top
+
     def verify(self, draft: list[int], sampler: Sampler = GREEDY, matcher: Matcher | None = None) -> tuple[int, int]:
         """Speculative decoding's verify step: run the pending tokens and `draft` in one pass,
         sampling a token after every position, and keep the longest prefix of the draft the

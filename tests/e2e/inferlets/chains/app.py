@@ -46,3 +46,11 @@ def main(args: list[str]) -> None:
         # At temperature 0.3 a is 74% likely, b 20%: XTC at 0.15 leaves b and c of the top three.
         xtc = Chain(XTC(1.0, 0.15), TopK(3), Temperature(0.3), Typical(0.99), TopNSigma(50.0), seed=3)
         emit("xtc " + detokenize([ctx.decode_step(xtc) for _ in range(6)]) + "\n")
+    with Context() as ctx:
+        ctx.fill("xyz")
+        # The one call with masks and logprobs: b forbidden; what it chose from, best first.
+        mask = LogitMask.forbid([ord("b")], info.vocab_size)
+        chosen, top = ctx.step(no_repeat, logit_mask=mask, top_k=2)
+        second, _ = ctx.step(no_repeat, top_k=0)
+        names = [detokenize([c.token]) for c in top]
+        emit(f"step {detokenize([chosen.token])} {chosen.logprob:.3f} {names} {detokenize([second.token])}\n")

@@ -41,6 +41,8 @@ class Sampler:
     top_n_sigma: float = 0.0
     xtc_probability: float = 0.0
     xtc_threshold: float = 0.1
+    mirostat_tau: float = 0.0
+    mirostat_eta: float = 0.1
     # Worked out once, at construction: `build_forward` reads them for every output of a pass.
     has_penalties: bool = field(init=False, compare=False, repr=False)
     has_filters: bool = field(init=False, compare=False, repr=False)
@@ -48,7 +50,9 @@ class Sampler:
 
     def __post_init__(self) -> None:
         penalties = self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-        filters = self.typical_p != 1.0 or self.top_n_sigma != 0.0 or self.xtc_probability != 0.0
+        filters = (
+            self.typical_p != 1.0 or self.top_n_sigma != 0.0 or self.xtc_probability != 0.0 or self.mirostat_tau != 0.0
+        )
         object.__setattr__(self, "has_penalties", penalties)
         object.__setattr__(self, "has_filters", filters)
         object.__setattr__(self, "has_chain", penalties or filters or bool(self.logit_bias))
@@ -212,7 +216,10 @@ def _chain_columns(samplers: list[Sampler]) -> dict[str, npt.NDArray[Any]]:
         for (name, dtype), column in zip(PENALTY_COLUMNS, zip(*penalties, strict=True), strict=True):
             columns[name] = np.array(column, dtype=dtype)
     if any(s.has_filters for s in samplers):
-        filters = [(s.typical_p, s.top_n_sigma, s.xtc_probability, s.xtc_threshold) for s in samplers]
+        filters = [
+            (s.typical_p, s.top_n_sigma, s.xtc_probability, s.xtc_threshold, s.mirostat_tau, s.mirostat_eta)
+            for s in samplers
+        ]
         for name, column in zip(FILTER_COLUMNS, zip(*filters, strict=True), strict=True):
             columns[name] = np.array(column, dtype=np.float32)
     if any(s.logit_bias for s in samplers):
@@ -224,7 +231,7 @@ def _chain_columns(samplers: list[Sampler]) -> dict[str, npt.NDArray[Any]]:
 
 
 # The random rows' filter columns of `Forward` (all [O] float32, or all empty).
-FILTER_COLUMNS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold")
+FILTER_COLUMNS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "mirostat_tau", "mirostat_eta")
 # The penalty columns of `Forward` (all [O], or all empty): (field, dtype).
 PENALTY_COLUMNS: tuple[tuple[str, type], ...] = (
     ("repetition_penalty", np.float32),

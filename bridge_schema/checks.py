@@ -245,6 +245,8 @@ def _check_chain(f: Forward, o: int) -> None:
             ("top_n_sigma", f.top_n_sigma >= 0, "must be >= 0 (0 = off)"),
             ("xtc_probability", (f.xtc_probability >= 0) & (f.xtc_probability <= 1), "must be in [0, 1]"),
             ("xtc_threshold", (f.xtc_threshold >= 0) & (f.xtc_threshold <= 1), "must be in [0, 1]"),
+            ("mirostat_tau", f.mirostat_tau >= 0, "must be >= 0 (0 = off)"),
+            ("mirostat_eta", (f.mirostat_eta >= 0) & (f.mirostat_eta <= 1), "must be in [0, 1]"),
         ):
             if np.count_nonzero(valid) != o:
                 raise RangeError(message, name)

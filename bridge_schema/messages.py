@@ -162,7 +162,12 @@ class Forward(Message):
     three on the probabilities before any filter, as without a chain), locally typical sampling
     (renormalized over the kept tokens), XTC (with probability xtc_probability, a draw of its
     own from `bridge_schema.sampling.xtc_uniform`, every kept token at least xtc_threshold likely
-    but the least likely of them is removed, when there are two or more), then the draw.
+    but the least likely of them is removed, when there are two or more), Mirostat 2 (tokens
+    whose surprise over the kept ones is past mu are removed, mu being the state of the row's
+    context, 2 * tau before its first Mirostat step; after the draw mu moves by eta times the
+    target less the drawn token's surprise), then the draw. The driver keeps mu per KV slot, as
+    it keeps the tokens: the step at slot s reads slot s - 1's and writes slot s's, and writing
+    a token into a slot clears its mu.
     """
 
     TAG: ClassVar[str] = "forward"
@@ -215,6 +220,8 @@ class Forward(Message):
     top_n_sigma: F32 = array_field("<f4")  # [O] or empty: >= 0, 0 = off
     xtc_probability: F32 = array_field("<f4")  # [O] or empty: in [0, 1], 0 = off
     xtc_threshold: F32 = array_field("<f4")  # [O] or empty: in [0, 1]
+    mirostat_tau: F32 = array_field("<f4")  # [O] or empty: Mirostat 2's target surprise (bits), 0 = off
+    mirostat_eta: F32 = array_field("<f4")  # [O] or empty: its learning rate, in [0, 1]
 
     @property
     def num_requests(self) -> int:

@@ -36,11 +36,13 @@ def _flat_slots(f: Forward, request: int, slots: I64, page_size: int) -> I64:
 
 
 class SlotTokens:
-    """The token written into each KV slot, -1 where none has been."""
+    """The token written into each KV slot, -1 where none has been; and Mirostat's mu after the
+    step whose input is the slot's token, NaN where none has run since the token was written."""
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         self.page_size = page_size
         self.table = np.full(num_pages * page_size, -1, dtype=np.int32)
+        self.mu = np.full(num_pages * page_size, np.nan, dtype=np.float32)
 
     def write(self, f: Forward) -> None:
         """Record `f`'s input tokens at their slots: request r's fill the last of its kv_len
@@ -51,11 +53,41 @@ class SlotTokens:
         request = np.repeat(np.arange(len(n_tokens)), n_tokens)
         slot = (_kv_lens(f, ps) - n_tokens)[request] + np.arange(len(f.tokens)) - token_ptr[request]
         page = f.pages[f.page_indptr[request].astype(np.int64) + slot // ps].astype(np.int64)
-        self.table[page * ps + slot % ps] = f.tokens
+        flat = page * ps + slot % ps
+        self.table[flat] = f.tokens
+        self.mu[flat] = np.nan
 
     def copy(self, src_pages: npt.ArrayLike, dst_pages: npt.ArrayLike) -> None:
-        view = self.table.reshape(-1, self.page_size)
-        view[np.asarray(dst_pages, dtype=np.int64)] = view[np.asarray(src_pages, dtype=np.int64)]
+        src, dst = np.asarray(src_pages, dtype=np.int64), np.asarray(dst_pages, dtype=np.int64)
+        for table in (self.table, self.mu):
+            view = table.reshape(-1, self.page_size)
+            view[dst] = view[src]
+
+    def _row_slots(self, f: Forward, rows: I64, back: int) -> tuple[I64, npt.NDArray[np.bool_]]:
+        """Table indices of the slots `back` before `rows`' own (through the page table), and
+        which of them exist (slot >= 0)."""
+        ps = self.page_size
+        out_ptr = f.out_indptr.astype(np.int64)
+        request = np.repeat(np.arange(len(out_ptr) - 1), np.diff(out_ptr))[rows]
+        first_slot = _kv_lens(f, ps) - np.diff(f.token_indptr.astype(np.int64))
+        slot = first_slot[request] + f.out_rows[rows].astype(np.int64) - back
+        exists = slot >= 0
+        slot = np.maximum(slot, 0)
+        page = f.pages[f.page_indptr[request].astype(np.int64) + slot // ps].astype(np.int64)
+        return page * ps + slot % ps, exists
+
+    def mirostat_mu(self, f: Forward, rows: I64) -> F32:
+        """The mu each of `rows` starts from: the one its previous slot's step left, else 2 * tau."""
+        previous, exists = self._row_slots(f, rows, 1)
+        mu = np.where(exists, self.mu[previous], np.nan).astype(np.float32)
+        fresh = np.isnan(mu)
+        mu[fresh] = 2 * f.mirostat_tau[rows][fresh]
+        return mu  # type: ignore[no-any-return]
+
+    def set_mirostat_mu(self, f: Forward, rows: I64, mu: npt.ArrayLike) -> None:
+        """Record the mu `rows`' steps leave, at their own slots."""
+        own, _ = self._row_slots(f, rows, 0)
+        self.mu[own] = mu
 
 
 @dataclass(slots=True)
@@ -185,22 +217,34 @@ class Filters:
     xtc_probability: float = 0.0
     xtc_threshold: float = 0.1
     xtc_draw: float = 1.0
+    mirostat_tau: float = 0.0
+    mirostat_eta: float = 0.1
+    mirostat_mu: float = 0.0  # the row's mu going in
 
     @staticmethod
-    def of(f: Forward, o: int, xtc_draw: float) -> Filters:
+    def of(f: Forward, o: int, xtc_draw: float, mu: float = 0.0) -> Filters:
         if not len(f.typical_p):
             return Filters()
         typical, sigma = float(f.typical_p[o]), float(f.top_n_sigma[o])
-        return Filters(typical, sigma, float(f.xtc_probability[o]), float(f.xtc_threshold[o]), xtc_draw)
+        xtc, threshold = float(f.xtc_probability[o]), float(f.xtc_threshold[o])
+        return Filters(typical, sigma, xtc, threshold, xtc_draw, float(f.mirostat_tau[o]), float(f.mirostat_eta[o]), mu)
 
 
 def sample_row_np(
     logits: F32, temperature: float, top_k: int, top_p: float, min_p: float, u: float, filters: Filters = Filters()
 ) -> int:
+    """The plain random sampler on one row (`sample_row_with_state`'s token)."""
+    return sample_row_with_state(logits, temperature, top_k, top_p, min_p, u, filters)[0]
+
+
+def sample_row_with_state(
+    logits: F32, temperature: float, top_k: int, top_p: float, min_p: float, u: float, filters: Filters = Filters()
+) -> tuple[int, float]:
     """The plain random sampler on one row: temperature over the PREFILTER most likely tokens,
     then top-n-sigma, top-k, top-p (the mass of the strictly more likely tokens below top_p; the
-    first always kept) and min-p (against the most likely), typical and XTC (`Forward`'s
-    "Sampler chain"), then the token where the kept mass's CDF passes u * total."""
+    first always kept) and min-p (against the most likely), typical, XTC and Mirostat 2
+    (`Forward`'s "Sampler chain"), then the token where the kept mass's CDF passes u * total.
+    Returns it with Mirostat's mu after the draw (NaN without Mirostat)."""
     finite_logits = logits[np.isfinite(logits)].astype(np.float64) / temperature
     order = np.argsort(-logits, kind="stable")[:PREFILTER]
     scaled = logits[order].astype(np.float64) / temperature
@@ -221,9 +265,19 @@ def sample_row_np(
         above = np.flatnonzero(q / q.sum() >= filters.xtc_threshold)
         if len(above) >= 2:
             keep[above[:-1]] = False  # all but the least likely of them
+    mu = float("nan")
+    if filters.mirostat_tau > 0:
+        q = np.where(keep, probs, 0.0)
+        surprise = np.full(len(q), np.inf)
+        surprise[q > 0] = -np.log2(q[q > 0] / q.sum())
+        within = surprise <= filters.mirostat_mu
+        keep &= within if within.any() else rank == int(np.argmax(keep))  # at least the best kept
     cdf = np.cumsum(np.where(keep, probs, 0.0))
-    pick = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
-    return int(order[min(pick, len(order) - 1)])
+    pick = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(order) - 1)
+    if filters.mirostat_tau > 0:
+        observed = -np.log2(probs[pick] / cdf[-1])
+        mu = filters.mirostat_mu - filters.mirostat_eta * (observed - filters.mirostat_tau)
+    return int(order[pick]), mu
 
 
 def _typical(kept: npt.NDArray[np.float64], mass: float) -> npt.NDArray[np.bool_]:

@@ -32,7 +32,7 @@ from bridge_schema.messages import (
 )
 from bridge_schema.sampling import seeded_uniform, xtc_uniform
 from drivers.errors import ConfigRejected, RequestRejected
-from drivers.sampler_chain import Filters, SlotTokens, apply_chain_np, sample_row_np
+from drivers.sampler_chain import Filters, SlotTokens, apply_chain_np, sample_row_with_state
 
 # The byte tokenizer's special tokens follow the 256 byte tokens.
 ENDOFTEXT, IM_START, IM_END, PAD = 256, 257, 258, 259
@@ -312,6 +312,10 @@ class DummyDriver:
         topk_ids: list[npt.NDArray[np.uint32]] = []
         topk_lps: list[npt.NDArray[np.float32]] = []
         dists: list[npt.NDArray[np.float32]] = []
+        all_rows = np.arange(o)
+        mirostat = len(f.mirostat_tau) and np.count_nonzero(f.mirostat_tau)
+        mu_in = self._slot_tokens.mirostat_mu(f, all_rows) if mirostat else np.zeros(o, np.float32)
+        mu_out = np.full(o, np.nan, dtype=np.float32)
         for i in range(o):
             row = logits[i]
             mask_index = int(f.logit_mask_index[i])
@@ -325,7 +329,8 @@ class DummyDriver:
                 tokens[i] = best[min(int(draws[i] * len(best)), len(best) - 1)]
             else:
                 t, k, p, m = float(f.temperature[i]), int(f.top_k[i]), float(f.top_p[i]), float(f.min_p[i])
-                tokens[i] = sample_row_np(row, t, k, p, m, float(draws[i]), Filters.of(f, i, float(xtc_draws[i])))
+                filters = Filters.of(f, i, float(xtc_draws[i]), float(mu_in[i]))
+                tokens[i], mu_out[i] = sample_row_with_state(row, t, k, p, m, float(draws[i]), filters)
             probe = int(f.probe[i])
             if not probe:
                 continue
@@ -341,6 +346,8 @@ class DummyDriver:
             if probe & Probe.DISTRIBUTION:
                 dists.append(lp)
                 dist_counts[i] = vocab
+        if mirostat:
+            self._slot_tokens.set_mirostat_mu(f, all_rows, mu_out)
         self._count(f, o)
         return ForwardResult(
             tokens=tokens,

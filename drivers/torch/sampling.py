@@ -139,16 +139,23 @@ def _random_tokens(
     rows: npt.NDArray[np.int64],
     positions: npt.NDArray[np.int64],
     gen: torch.Generator,
+    slot_tokens: SlotTokens,
 ) -> torch.Tensor:
     """The random rows' tokens: the C++ op where it runs (`cpu_kernels.sample_rows`, one pass
-    over each row), else these torch steps, which it follows."""
+    over each row), else these torch steps, which it follows. Mirostat's mu comes from, and goes
+    back to, `slot_tokens`."""
     u = _uniforms(fwd, rows, positions, gen)
     if len(fwd.typical_p):  # filters the C++ op does not run
-        return _random_tokens_torch(logits, fwd, rows, u, _uniforms(fwd, rows, positions, gen, xtc_uniform))
+        xtc = _uniforms(fwd, rows, positions, gen, xtc_uniform)
+        if not np.count_nonzero(fwd.mirostat_tau[rows]):
+            return _random_tokens_torch(logits, fwd, rows, u, xtc)[0]
+        tokens, mu = _random_tokens_torch(logits, fwd, rows, u, xtc, slot_tokens.mirostat_mu(fwd, rows))
+        slot_tokens.set_mirostat_mu(fwd, rows, mu)
+        return tokens
     native = cpu_kernels.sample_rows(
         logits, rows, fwd.temperature[rows], fwd.top_k[rows], fwd.top_p[rows], fwd.min_p[rows], u
     )
-    return native if native is not None else _random_tokens_torch(logits, fwd, rows, u)
+    return native if native is not None else _random_tokens_torch(logits, fwd, rows, u)[0]
 
 
 def _random_tokens_torch(
@@ -157,7 +164,10 @@ def _random_tokens_torch(
     rows: npt.NDArray[np.int64],
     u: npt.NDArray[np.float64],
     xtc_draws: npt.NDArray[np.float64] | None = None,
-) -> torch.Tensor:
+    mu: npt.NDArray[np.float32] | None = None,
+) -> tuple[torch.Tensor, npt.NDArray[np.float32] | None]:
+    """The rows' tokens, and with `mu` (Mirostat's, going in) the mu each leaves (NaN where the
+    row has no Mirostat)."""
     device = logits.device
     temp = torch.as_tensor(fwd.temperature[rows], device=device)
     scaled = logits[torch.as_tensor(rows, device=device)] / temp[:, None]
@@ -174,11 +184,27 @@ def _random_tokens_torch(
     keep &= probs >= min_p[:, None] * probs[:, :1]
     if xtc_draws is not None:
         keep = _filter(keep, scaled, vals, probs, fwd, rows, xtc_draws)
+    tau = eta = mu_t = None
+    if mu is not None:  # Mirostat 2: drop the kept tokens whose surprise is past mu (keep one)
+        tau = torch.as_tensor(fwd.mirostat_tau[rows], device=device)
+        eta = torch.as_tensor(fwd.mirostat_eta[rows], device=device)
+        mu_t = torch.as_tensor(mu, device=device)
+        q = torch.where(keep, probs, 0.0)
+        surprise = -torch.log2(q / q.sum(-1, keepdim=True))
+        within = keep & (surprise <= mu_t[:, None])
+        first_kept = torch.where(keep, rank, k).min(-1).values
+        within |= (rank == first_kept[:, None]) & ~within.any(-1, keepdim=True)
+        keep = torch.where(tau[:, None] > 0, within, keep)
     kept = torch.where(keep, probs, 0.0)
     cdf = kept.cumsum(-1)
     target = torch.as_tensor(u, device=device, dtype=cdf.dtype)[:, None] * cdf[:, -1:]
     pick = torch.searchsorted(cdf, target, right=True).clamp(max=k - 1)
-    return ids.gather(1, pick).squeeze(1)
+    tokens = ids.gather(1, pick).squeeze(1)
+    if mu_t is None or tau is None or eta is None:
+        return tokens, None
+    observed = -torch.log2(kept.gather(1, pick).squeeze(1) / cdf[:, -1])
+    new_mu = torch.where(tau > 0, mu_t - eta * (observed - tau), torch.nan)
+    return tokens, new_mu.float().cpu().numpy()
 
 
 def _filter(
@@ -243,7 +269,7 @@ def sample(
         tokens = cpu_kernels.argmax_rows(masked)  # the first maximum, like argmax
     else:
         positions = fwd.positions.astype(np.int64)[out_tokens[random_rows]]
-        sampled = _random_tokens(masked, fwd, random_rows, positions, gen)
+        sampled = _random_tokens(masked, fwd, random_rows, positions, gen, slot_tokens)
         if len(random_rows) == num_out:  # every row, in order: no greedy row to find the maximum of
             tokens = sampled
         else:

@@ -120,7 +120,7 @@ _PENALTY_FIELDS = (
     "repetition_from",
     "penalty_last_n",
 )
-_FILTER_FIELDS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold")
+_FILTER_FIELDS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "mirostat_tau", "mirostat_eta")
 
 
 def _with_stages(
@@ -139,7 +139,7 @@ def _record(rec: Any, names: tuple[str, ...]) -> tuple[Any, ...]:
 
 
 _PENALTY_RECORD = ("repetition", "presence", "frequency", "since", "repetition_since", "last_n")
-_FILTER_RECORD = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold")
+_FILTER_RECORD = _FILTER_FIELDS
 
 
 @host_function

@@ -155,6 +155,9 @@ class _Sampling(_Strict):
     top_n_sigma: Annotated[StrictFloat | StrictInt, Field(ge=0.0, le=100.0)] | None = None
     xtc_probability: Annotated[StrictFloat | StrictInt, Field(ge=0.0, le=1.0)] | None = None
     xtc_threshold: Annotated[StrictFloat | StrictInt, Field(ge=0.0, le=1.0)] | None = None
+    mirostat: Literal[0, 2] | None = None  # llama.cpp's: 0 off, 2 Mirostat 2 (1 is not served)
+    mirostat_tau: Annotated[StrictFloat | StrictInt, Field(gt=0.0, le=100.0)] | None = None
+    mirostat_eta: Annotated[StrictFloat | StrictInt, Field(ge=0.0, le=1.0)] | None = None
     user: StrictStr | None = None
     # An extension (as in vLLM and llama.cpp's server): generate through the model's stop
     # tokens, up to max_tokens (stop strings and grammars still end a choice). For benchmarks.

@@ -255,8 +255,9 @@ def _message_text(message: Any) -> str:
 def _sampler_stages(req: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> dict[str, Any]:
     """The chat inferlet's arguments for the sampler chain: OpenAI's penalties and logit bias
     (token ids checked against the vocabulary, as vLLM does), vLLM's repetition_penalty, top_k
-    (-1 or 0: off) and min_p, llama.cpp's typical_p, top_n_sigma and xtc_probability /
-    xtc_threshold. Only the ones that change the sampler."""
+    (-1 or 0: off) and min_p, llama.cpp's typical_p, top_n_sigma, xtc_probability /
+    xtc_threshold and mirostat (2) / mirostat_tau / mirostat_eta. Only the ones that change the
+    sampler."""
     args: dict[str, Any] = {}
     if req.frequency_penalty:
         args["frequency_penalty"] = req.frequency_penalty
@@ -275,6 +276,9 @@ def _sampler_stages(req: ChatCompletionRequest | CompletionRequest, vocab_size: 
     if req.xtc_probability:
         args["xtc_probability"] = req.xtc_probability
         args["xtc_threshold"] = 0.1 if req.xtc_threshold is None else req.xtc_threshold
+    if req.mirostat == 2:
+        args["mirostat_tau"] = 5.0 if req.mirostat_tau is None else req.mirostat_tau
+        args["mirostat_eta"] = 0.1 if req.mirostat_eta is None else req.mirostat_eta
     if req.logit_bias:
         if len(req.logit_bias) > MAX_LOGIT_BIAS:
             raise BadRequest(

@@ -49,8 +49,13 @@ def _check_chain(s: Sampler, h: Handshake) -> None:
         and 0 <= s.top_n_sigma < math.inf
         and 0 <= s.xtc_probability <= 1
         and 0 <= s.xtc_threshold <= 1
+        and 0 <= s.mirostat_tau < math.inf
+        and 0 <= s.mirostat_eta <= 1
     ):
-        raise InvalidRequest("filters out of range: typical_p in (0, 1], top_n_sigma >= 0, xtc in [0, 1]")
+        raise InvalidRequest(
+            "filters out of range: typical_p in (0, 1], top_n_sigma >= 0, xtc in [0, 1], "
+            "mirostat tau >= 0 and eta in [0, 1]"
+        )
     if len(s.logit_bias) > MAX_LOGIT_BIAS:
         raise InvalidRequest(f"a logit bias has at most {MAX_LOGIT_BIAS} tokens, got {len(s.logit_bias)}")
     previous = -1

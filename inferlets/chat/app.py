@@ -21,6 +21,7 @@ from inferlet import (
     InferletError,
     LogitBias,
     MinP,
+    Mirostat,
     Penalties,
     Random,
     Temperature,
@@ -72,6 +73,8 @@ def _sampler(req: dict, branch_index: int, prompt_length: int) -> Greedy | Rando
         filters.append(TopNSigma(float(req["top_n_sigma"])))
     if float(req.get("xtc_probability", 0.0)):
         filters.append(XTC(float(req["xtc_probability"]), float(req.get("xtc_threshold", 0.1))))
+    if float(req.get("mirostat_tau", 0.0)):
+        filters.append(Mirostat(float(req["mirostat_tau"]), float(req.get("mirostat_eta", 0.1))))
     top_k, min_p = int(req.get("top_k", 0)), float(req.get("min_p", 0.0))
     if not stages and not filters and not top_k and not min_p:
         return Greedy() if greedy else Random(temperature, top_p=top_p, seed=seed)

@@ -58,6 +58,7 @@ def sample_forward() -> Message:
                             logit_bias=((12, -100.0), (30, 2.5)),
                             typical_p=0.9,
                             xtc_probability=0.5,
+                            mirostat_tau=5.0,
                         ),
                     )
                 ],

@@ -81,6 +81,8 @@ def sampler(draw: st.DrawFn) -> Sampler:
             top_n_sigma=draw(st.floats(0.0, 4.0, width=32)),
             xtc_probability=draw(st.floats(0.0, 1.0, width=32)),
             xtc_threshold=draw(st.floats(0.0, 1.0, width=32)),
+            mirostat_tau=draw(st.floats(0.0, 10.0, width=32)),
+            mirostat_eta=draw(st.floats(0.0, 1.0, width=32)),
         )
     return base
 

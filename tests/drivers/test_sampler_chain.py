@@ -15,7 +15,14 @@ from bridge_schema.messages import Hello, Probe
 from drivers.dummy.cli import create_driver
 from drivers.dummy.driver import DummyConfig, DummyDriver
 from drivers.multistep import run_steps
-from drivers.sampler_chain import Filters, SlotTokens, apply_chain_np, penalty_entries, sample_row_np
+from drivers.sampler_chain import (
+    Filters,
+    SlotTokens,
+    apply_chain_np,
+    penalty_entries,
+    sample_row_np,
+    sample_row_with_state,
+)
 
 PS = 4
 A, B, C = ord("a"), ord("b"), ord("c")
@@ -220,3 +227,56 @@ def test_filters_on_the_dummy_match_the_reference() -> None:
         got = _tokens(driver, [_request([1, 2], [0], 2, s)])[0]
         u, xtc = float(seeded_uniform([seed], [1])[0]), float(xtc_uniform([seed], [1])[0])
         assert got == sample_row_np(row, 0.4, 0, 1.0, 0.0, u, Filters(0.9, 1.5, 0.5, 0.2, xtc))
+
+
+def test_mirostat_truncates_by_surprise_and_moves_mu() -> None:
+    logits = np.log(np.array([0.5, 0.25, 0.125, 0.125], dtype=np.float32))  # surprises 1, 2, 3, 3 bits
+    # mu 2.5: only the 1- and 2-bit tokens stay; the draw picks among them (2/3, 1/3).
+    low = Filters(mirostat_tau=2.0, mirostat_eta=0.5, mirostat_mu=2.5)
+    assert {sample_row_with_state(logits, 1.0, 0, 1.0, 0.0, u, low)[0] for u in np.linspace(0, 0.99, 50)} == {0, 1}
+    token, mu = sample_row_with_state(logits, 1.0, 0, 1.0, 0.0, 0.9, low)
+    # Token 1 drawn: its surprise among the kept is log2(3) bits; mu moves by 0.5 * (that - 2).
+    assert token == 1 and mu == pytest.approx(2.5 - 0.5 * (np.log2(3) - 2.0))
+    # mu below every surprise: the most likely token alone.
+    assert sample_row_with_state(logits, 1.0, 0, 1.0, 0.0, 0.99, Filters(mirostat_tau=1.0, mirostat_mu=0.5))[0] == 0
+    assert np.isnan(sample_row_with_state(logits, 1.0, 0, 1.0, 0.0, 0.5)[1])
+
+
+def test_mirostat_state_follows_the_slots_on_the_dummy() -> None:
+    """mu lives in the slot of each step's input: the next step reads it, a fork continues from
+    its parent's, and rewriting a slot starts over at 2 * tau."""
+    from bridge_schema.sampling import seeded_uniform
+
+    logits = ((A, 3.0), (B, 2.6), (C, 2.2), (7, 1.0))  # 3.9, 4.5, 5.0, 6.1 bits; the rest 8.2
+    driver = _dummy(logits=logits)
+    table = driver._slot_tokens
+    row = np.zeros(260, dtype=np.float32)
+    for t, v in logits:
+        row[t] = v
+    tau, eta = 3.0, 0.8
+    s = dataclasses.replace(Sampler.random(temperature=1.0, seed=4), mirostat_tau=tau, mirostat_eta=eta)
+
+    def step(mu: float, position: int) -> tuple[int, float]:
+        u = float(seeded_uniform([4], [position])[0])
+        return sample_row_with_state(
+            row, 1.0, 0, 1.0, 0.0, u, Filters(mirostat_tau=tau, mirostat_eta=eta, mirostat_mu=mu)
+        )
+
+    expect, mus, mu = [], [], 2 * tau
+    for position in range(1, 9):
+        token, mu = step(mu, position)
+        expect.append(token)
+        mus.append(mu)
+    # The prompt [1, 2] on pages 0, 1, then one token a step, as a context decodes.
+    said = _tokens(driver, [_request([1, 2], [0], 2, s)])
+    for kv in range(3, 10):
+        said += _tokens(driver, [_request(said[-1:], [0, 1, 2][: -(-kv // PS)], kv, s)])
+    assert said == expect and len(set(said)) > 1
+    # A fork after the step at slot 3 (page 0 shared; slot 4 on page 5): the parent's next token,
+    # and the mu the parent's step at slot 4 left; from 2 * tau the mu would differ.
+    forked = _tokens(driver, [_request([said[2]], [0, 5], 5, s, context_id=9)])
+    assert forked == said[3:4] and table.mu[5 * PS] == pytest.approx(mus[3])
+    assert step(2 * tau, 4)[1] != pytest.approx(mus[3])
+    # Rewriting the slots from the prompt on starts mu afresh.
+    again = _tokens(driver, [_request([1, 2, *said[:2]], [0], 4, s)])
+    assert again == [step(2 * tau, 3)[0]] and table.mu[3] == pytest.approx(step(2 * tau, 3)[1])

@@ -251,6 +251,8 @@ def test_sampler_chains_through_every_sdk_path(inferlet_runner: InferletRunner) 
     result = inferlet_runner.run(str(HERE / "inferlets" / "chains"))
     assert result.ok, result.error
     lines = result.output.splitlines()
+    mirostat = lines.pop()
+    assert mirostat.startswith("mirostat ") and set(mirostat[9:]) <= {"a", "b", "c"} and len(mirostat) == 17
     # `step`: a, its logprob with b masked out (a 3, c 2.2, 257 tokens at 0), the top two; then b.
     expect = 3.0 - math.log(math.exp(3.0) + math.exp(2.2) + 257)
     assert lines.pop() == f"step a {expect:.3f} ['a', 'c'] b"

@@ -221,6 +221,7 @@ CHAINS = {
     "presence": {"presence_penalty": 2.0, "penalty_from": 3},
     "frequency": {"frequency_penalty": 0.5, "penalty_last_n": 6},
     "windows": {"frequency_penalty": 0.7, "repetition_penalty": 1.2, "repetition_from": 1, "penalty_from": 2},
+    "mirostat": {"mirostat_tau": 7.9, "mirostat_eta": 0.5},
 }
 
 

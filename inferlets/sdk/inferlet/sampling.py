@@ -98,10 +98,10 @@ class Chain:
     """Samplers that compose: stages the driver applies to a row's logits, then the draw, e.g.
     `Chain(Penalties(frequency=0.5), TopK(40), MinP(0.05), Temperature(0.8), seed=7)`. Stages:
     `LogitBias`, `Penalties`, `Temperature`, `TopNSigma`, `TopK`, `TopP`, `MinP`, `Typical`,
-    `XTC`, and `Greedy()` for the most likely token instead of a random draw (which the filters
-    then do not narrow). The driver runs them in one fixed order whatever the order given: logit
-    bias, penalties, the logit mask, temperature, top-n-sigma, top-k, top-p, min-p, typical,
-    XTC, the draw; so `Chain(Temperature(t), TopK(k))` and `Chain(TopK(k), Temperature(t))` are
+    `XTC`, `Mirostat`, and `Greedy()` for the most likely token instead of a random draw (which
+    the filters then do not narrow). The driver runs them in one fixed order whatever the order
+    given: logit bias, penalties, the logit mask, temperature, top-n-sigma, top-k, top-p, min-p,
+    typical, XTC, Mirostat, the draw; so `Chain(Temperature(t), TopK(k))` and `Chain(TopK(k), Temperature(t))` are
     the same sampler.
     Everything runs in the driver, batched over rows and pre-fired by the speculator like a
     plain sampler."""
@@ -111,7 +111,7 @@ class Chain:
 
     def __init__(self, *stages: object, seed: int = -1) -> None:
         need(seed, int, "Chain's seed")
-        kinds = (LogitBias, Penalties, Temperature, TopK, TopP, MinP, Typical, TopNSigma, XTC, Greedy)
+        kinds = (LogitBias, Penalties, Temperature, TopK, TopP, MinP, Typical, TopNSigma, XTC, Mirostat, Greedy)
         for stage in stages:
             if not isinstance(stage, kinds):
                 raise TypeError(f"a Chain stage is one of {', '.join(k.__name__ for k in kinds)}, not {stage!r}")
@@ -148,13 +148,16 @@ class Chain:
         bias = self._get(LogitBias, None)
         penalties = self._get(Penalties, None)
         typical, sigma, xtc = self._get(Typical, None), self._get(TopNSigma, None), self._get(XTC, None)
+        mirostat = self._get(Mirostat, None)
         filters = None
-        if typical is not None or sigma is not None or xtc is not None:
+        if typical is not None or sigma is not None or xtc is not None or mirostat is not None:
             filters = _inf.Filters(
                 typical.value if isinstance(typical, Typical) else 1.0,
                 sigma.value if isinstance(sigma, TopNSigma) else 0.0,
                 xtc.probability if isinstance(xtc, XTC) else 0.0,
                 xtc.threshold if isinstance(xtc, XTC) else 0.1,
+                mirostat.tau if isinstance(mirostat, Mirostat) else 0.0,
+                mirostat.eta if isinstance(mirostat, Mirostat) else 0.1,
             )
         if bias is None and penalties is None and filters is None:
             return None
@@ -241,6 +244,22 @@ class XTC:
         need(self.threshold, (float, int), "XTC's threshold")
         if not (0 <= self.probability <= 1 and 0 <= self.threshold <= 1):
             raise ValueError("XTC's probability and threshold must be in [0, 1]")
+
+
+@dataclass(frozen=True)
+class Mirostat:
+    """Mirostat 2: keep the tokens whose surprise (bits) is within mu, a running target the
+    driver keeps with the context (it follows forks and rollbacks) and moves toward `tau` by
+    `eta` times each drawn token's miss. Starts at 2 * tau."""
+
+    tau: float = 5.0
+    eta: float = 0.1
+
+    def __post_init__(self) -> None:
+        need(self.tau, (float, int), "Mirostat's tau")
+        need(self.eta, (float, int), "Mirostat's eta")
+        if not (0 < self.tau < float("inf") and 0 <= self.eta <= 1):
+            raise ValueError("Mirostat needs tau > 0 and eta in [0, 1]")
 
 
 Sampler = Greedy | Random | Chain

@@ -13,7 +13,7 @@ import torch
 from bridge_schema.batch import OutputSpec, RequestSpec, Sampler, split_result
 from bridge_schema.sampling import seeded_uniform, xtc_uniform
 from drivers.multistep import run_steps
-from drivers.sampler_chain import Filters, SlotTokens, apply_chain_np, sample_row_np
+from drivers.sampler_chain import Filters, SlotTokens, apply_chain_np, sample_row_np, sample_row_with_state
 from drivers.torch.driver import TorchDriver
 from drivers.torch.sampling import apply_chain
 from tests.drivers.torch.helpers import forward, load_dir, make_driver, random_tokens, request, write_tiny_llama
@@ -163,3 +163,28 @@ def test_filters_match_the_reference_alone_and_batched(driver: TorchDriver, name
         assert split_result(alone, driver.forward(alone))[0][0].token == expect
         assert split_result(batched, driver.forward(batched))[1][0].token == expect
     assert differs  # the filter changed at least one draw
+
+
+def test_mirostat_steps_match_the_reference(driver: TorchDriver) -> None:
+    """Decode steps one token at a time with Mirostat 2: each step's token and the mu it leaves
+    (kept in the driver's slot table) equal the plain version's, on the model's own logits."""
+    tau, eta = 4.0, 0.9
+    s = _chain(Sampler.random(temperature=1.2, seed=8), mirostat_tau=tau, mirostat_eta=eta)
+    tokens, mu, moved = list(PROMPT[:6]), 2 * tau, 0
+    pages = range(16, 24)
+    spec = request(tokens, 0, pages, PS, sampler=s, context_id=5)
+    for _ in range(6):
+        f = forward([spec])
+        raw = driver.logits(f)[0].float().numpy()
+        position = len(tokens) - 1
+        u = float(seeded_uniform([8], [position])[0])
+        filters = Filters(mirostat_tau=tau, mirostat_eta=eta, mirostat_mu=mu)
+        expect, new_mu = sample_row_with_state(raw, 1.2, 0, 1.0, 0.0, u, filters)
+        assert split_result(f, driver.forward(f))[0][0].token == expect
+        moved += expect != sample_row_np(raw, 1.2, 0, 1.0, 0.0, u)
+        slot = pages[position // PS] * PS + position % PS
+        assert driver.slot_tokens.mu[slot] == pytest.approx(new_mu, rel=1e-4)
+        mu = new_mu
+        tokens.append(expect)
+        spec = request([expect], len(tokens) - 1, pages, PS, sampler=s, context_id=5)
+    assert moved  # Mirostat changed at least one draw

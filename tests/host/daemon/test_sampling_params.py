@@ -31,7 +31,8 @@ def scripted(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 def _complete(srv: Server, prompt: str = "xyz", **params: object) -> str:
     extensions = ("repetition_penalty", "top_k", "min_p", "typical_p", "top_n_sigma", "xtc_probability")
-    extra = {k: params.pop(k) for k in (*extensions, "xtc_threshold") if k in params}
+    more = ("xtc_threshold", "mirostat", "mirostat_tau", "mirostat_eta")
+    extra = {k: params.pop(k) for k in (*extensions, *more) if k in params}
     params.setdefault("temperature", 0)
     response = srv.client().completions.create(
         model="dummy",
@@ -101,6 +102,12 @@ def test_llama_cpp_filters(scripted: Server) -> None:
     # top_n_sigma 0.01: only the best logit is near enough; typical_p passes through to the driver.
     assert _complete(scripted, temperature=1.0, top_n_sigma=0.01, seed=1) == "aaaaa"
     assert len(_complete(scripted, temperature=1.0, typical_p=0.5, seed=1)) == 5
+    # Mirostat 2 at tau 3.5 (mu starts at 7 bits): the 256 tokens at 8.2 bits are out, so only
+    # a, b, c (3.9, 4.5, 5.0 bits) and nothing else can come while mu stays low.
+    texts = {
+        _complete(scripted, temperature=1.0, mirostat=2, mirostat_tau=3.5, mirostat_eta=0.1, seed=s) for s in range(4)
+    }
+    assert set("".join(texts)) <= {"a", "b", "c"} and len(texts) > 1
 
 
 @pytest.mark.parametrize(
@@ -115,6 +122,7 @@ def test_llama_cpp_filters(scripted: Server) -> None:
         ({"top_k": -2}, "top_k"),
         ({"typical_p": 0}, "typical_p"),
         ({"xtc_probability": 1.5}, "xtc_probability"),
+        ({"mirostat": 1}, "mirostat"),
     ],
 )
 def test_out_of_range_is_a_400_naming_the_parameter(server: Server, params: dict, param: str) -> None:  # type: ignore[type-arg]

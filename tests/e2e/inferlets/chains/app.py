@@ -8,6 +8,7 @@ from inferlet import (
     Greedy,
     LogitBias,
     LogitMask,
+    Mirostat,
     Penalties,
     Temperature,
     TopK,
@@ -54,3 +55,8 @@ def main(args: list[str]) -> None:
         second, _ = ctx.step(no_repeat, top_k=0)
         names = [detokenize([c.token]) for c in top]
         emit(f"step {detokenize([chosen.token])} {chosen.logprob:.3f} {names} {detokenize([second.token])}\n")
+    with Context() as ctx:
+        ctx.fill("xyz")
+        # Mirostat 2 at tau 3.5: mu starts at 7 bits, below the 8.2 of the 256 plain tokens.
+        steady = Chain(Mirostat(3.5, 0.1), seed=2)
+        emit("mirostat " + detokenize([ctx.decode_step(steady) for _ in range(8)]) + "\n")

@@ -714,7 +714,7 @@ def _torch_sample(logits: torch.Tensor, rows: np.ndarray, p: dict[str, np.ndarra
     fields = {k: np.zeros(logits.shape[0], dtype=v.dtype) for k, v in p.items() if k != "u"}
     for k in fields:
         fields[k][rows] = p[k]
-    return sampling._random_tokens_torch(logits, SimpleNamespace(**fields), rows, p["u"])  # type: ignore[arg-type]
+    return sampling._random_tokens_torch(logits, SimpleNamespace(**fields), rows, p["u"])[0]  # type: ignore[arg-type]
 
 
 def _on_an_edge(row: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float, u: float) -> bool:

@@ -15,7 +15,7 @@ from host.daemon.http_util import SSE_DONE, sse
 from host.daemon.metrics import Registry
 from host.daemon.openai_prepare import Job
 from host.daemon.openai_render import Renderer
-from host.daemon.openai_routes import _batch_updates, _stream, _TokenClock
+from host.daemon.openai_routes import OpenAIWire, _batch_updates, _stream, _TokenClock
 from host.daemon.run_log import RunEvent, RunLog
 from host.sandbox import RunOutcome, RunStatus
 from host.tokenizer import BytesTokenizer
@@ -112,7 +112,8 @@ def _stream_bodies(kind: str) -> list[bytes]:
             generation_tokens=m.counter("generation", "", ("endpoint",)),
         )
         clock = _TokenClock(daemon, kind)
-        return [body async for body in _stream(daemon, kind, record, _renderer(kind), 0.0, events[:2], clock)]
+        stream = _stream(daemon, kind, record, _renderer(kind), OpenAIWire(), 0.0, events[:2], clock)
+        return [body async for body in stream]
 
     return asyncio.run(scenario())
 

@@ -258,7 +258,7 @@ def test_chains_are_pre_fired_when_equal_and_refused_when_not(stage: str, cold_e
         assert delta["speculation_miss_sampler_mismatch"] == 14 and not delta.get("speculation_hits"), delta
 
 
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("depth", [0, 1, 2, 4])
 def test_penalties_count_the_tokens_of_staged_steps(depth: int) -> None:
     """Steps sent before their input token is back: the driver writes each deferred token into
     its slot before the penalties count it. The dummy's scripted logits make the greedy text
@@ -273,4 +273,4 @@ def test_penalties_count_the_tokens_of_staged_steps(depth: int) -> None:
         for _ in range(7):
             tokens.append(step(e, run, ctx, [tokens[-1]], presence))
         assert tokens == [a, b, c, a, a, a, a, a]
-        assert e.speculation_stats()["speculation_hits"] == 6
+        assert e.speculation_stats()["speculation_hits"] == (6 if depth else 0)

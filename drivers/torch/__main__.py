@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 
 import torch
 
@@ -133,8 +134,27 @@ def main(argv: list[str] | None = None) -> None:
             driver.close()
 
 
+def _load(model: str) -> Checkpoint:
+    """The checkpoint `model` names; a file that cannot be read as one (truncated, malformed, not a
+    checkpoint at all) is one ConfigRejected line naming it, not a traceback."""
+    if model != "smollm2" and not Path(model).exists():
+        raise ConfigRejected(f"{model}: no such file or directory", "model")
+    try:
+        return load_checkpoint(model)
+    except ConfigRejected:
+        raise
+    except Exception as exc:  # any failure to parse a user's file is that file's fault
+        said = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+        what = "a readable GGUF file" if model.endswith(".gguf") else "a readable checkpoint"
+        raise ConfigRejected(
+            f"{model} is not {what} ({type(exc).__name__}{': ' + said if said else ''}); a model is 'smollm2', "
+            "a GGUF file or a Hugging Face directory with config.json and safetensors",
+            "model",
+        ) from exc
+
+
 def _build(args: argparse.Namespace, options: DriverOptions, argv: list[str]) -> TorchDriver | TensorParallelDriver:
-    ckpt = load_checkpoint(args.model)
+    ckpt = _load(args.model)
     if args.tensor_parallel == 1:
         return TorchDriver(ckpt, options)
     check_options(ckpt, options, args.tensor_parallel)  # before any rank starts

@@ -17,11 +17,14 @@ from host.errors import DriverFailed
 
 def engine_configs(ns: argparse.Namespace, say: Callable[[str], None]) -> list[EngineConfig]:
     """One engine configuration per `--driver` (replicas when it is given more than once)."""
-    entries = [split_driver(entry, BUILTIN_DRIVERS) for entry in ns.driver or ["dummy"]]
+    model = getattr(ns, "model", "")
+    entries = [split_driver(entry, BUILTIN_DRIVERS) for entry in ns.driver or ["torch" if model else "dummy"]]
+    if model and all(driver != "torch" for driver, _ in entries):
+        raise ValueError(f"--model {model!r}: only the torch driver loads a model (--driver torch)")
     return [
         EngineConfig(
             driver=_kept_or_fresh(ns, driver, say) if len(entries) == 1 and not own else driver,
-            driver_args=(*ns.driver_arg, *own),
+            driver_args=(*(("--model", model) if model and driver == "torch" else ()), *ns.driver_arg, *own),
             speculation_depth=ns.speculation_depth,
             max_decode_steps=ns.max_decode_steps,
             multi_step_budget_ms=ns.multi_step_budget_ms,
@@ -62,7 +65,22 @@ def _kept_or_fresh(ns: argparse.Namespace, driver: str, say: Callable[[str], Non
                 "`wafer driver start torch` keeps one running for later runs"
             )
         return str(driver)
+    model = getattr(ns, "model", "")
+    if model and _model_of(kept.args) != model:
+        say(f"the kept {driver} driver serves {_model_of(kept.args)!r}: starting one for {model!r} for this run")
+        return str(driver)
     say(f"using the kept {driver} driver (pid {kept.pid}; `wafer driver stop {driver}` ends it)")
     if ns.driver_arg and list(ns.driver_arg) != list(kept.args):
         say(f"--driver-arg is ignored: the kept driver runs with {list(kept.args)} (--fresh-driver to use yours)")
     return kept.address
+
+
+def _model_of(args: tuple[str, ...] | list[str]) -> str:
+    """The model a driver's arguments name (its last `--model`), or smollm2, the default."""
+    found = "smollm2"
+    for i, arg in enumerate(args):
+        if arg == "--model" and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith("--model="):
+            found = arg.removeprefix("--model=")
+    return found

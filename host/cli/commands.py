@@ -258,6 +258,12 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
         help="an argument for the driver process, repeatable (e.g. --driver-arg=--model --driver-arg=smollm2)",
     )
     parser.add_argument(
+        "--model",
+        default="",
+        help="the torch driver's model: smollm2, a .gguf file or a Hugging Face directory "
+        "(with no --driver, it implies --driver torch)",
+    )
+    parser.add_argument(
         "--speculation-depth", type=int, default=1, help="pre-fired decode steps per context, 0 = off (default: 1)"
     )
     parser.add_argument(

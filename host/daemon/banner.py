@@ -37,7 +37,7 @@ def announce_when_ready(daemon: Daemon, url: str) -> None:
         except DaemonError as exc:
             if daemon.supervisor.is_stopping:
                 return  # shut down before the driver was ready: nothing to announce
-            print(f"wafer serve: the driver is not ready yet: {exc}", file=sys.stderr, flush=True)
+            print(f"wafer serve: {exc}", file=sys.stderr, flush=True)
             return
         print(banner(url, model, bool(daemon.config.api_keys)), file=sys.stderr, flush=True)
 

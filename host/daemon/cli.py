@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from host.daemon.config import LOG_FORMATS, LOG_LEVELS, load_config
-from host.daemon.errors import DaemonError
+from host.daemon.config import LOG_FORMATS, LOG_LEVELS, DaemonConfig, load_config
+from host.daemon.errors import DaemonConfigError, DaemonError
 from host.sandbox.config import default_cache_dir
 
 EXIT_OK = 0
@@ -62,6 +62,13 @@ _FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model_arg",
+        nargs="?",
+        metavar="MODEL",
+        help="the model to serve: smollm2, a .gguf file or a Hugging Face directory (the same as --model; "
+        "with no driver chosen, it implies --driver torch)",
+    )
     parser.add_argument("--config", help="TOML configuration file (keys: see docs/operating.md)")
     for flag, key, options in _FLAGS:
         # A repeatable flag takes one item of its list key: --api-key API_KEY.
@@ -69,15 +76,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, dest=f"cfg_{key}", default=None, metavar=metavar, **options)
 
 
-def cmd_serve(ns: argparse.Namespace) -> int:
+def config_of(ns: argparse.Namespace) -> DaemonConfig:
+    """The daemon's configuration from `wafer serve`'s parsed command line (DaemonError if bad)."""
     flags = {name.removeprefix("cfg_"): value for name, value in vars(ns).items() if name.startswith("cfg_")}
     cache_dir = getattr(ns, "cache_dir", None)
     # `wafer --cache-dir` always has a value (its default); only a chosen one is a flag, so that
     # WAFER_CACHE_DIR and the file still apply otherwise.
     if cache_dir is not None and Path(cache_dir) != default_cache_dir():
         flags["cache_dir"] = str(cache_dir)
+    if ns.model_arg is not None:
+        if flags.get("model") not in (None, ns.model_arg):
+            raise DaemonConfigError("model", f"two models: {ns.model_arg!r} and --model {flags['model']!r}")
+        flags["model"] = ns.model_arg
+    return load_config(flags, config_path=ns.config)
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
     try:
-        config = load_config(flags, config_path=ns.config)
+        config = config_of(ns)
     except DaemonError as exc:
         print(f"wafer serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -161,6 +161,8 @@ def load_config(
         if key not in KEYS:
             raise DaemonConfigError(key, "unknown configuration key")
     _merge(raw, {key: value for key, value in (flags or {}).items() if value is not None}, "the flags")
+    if raw.get("model") and "driver" not in raw and "drivers" not in raw:
+        raw["driver"] = "torch"  # a model and no driver chosen anywhere: the driver that loads models
     return _build(raw)
 
 

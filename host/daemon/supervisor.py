@@ -30,12 +30,18 @@ log = logging.getLogger("wafer.daemon.driver")
 _POLL_S = 0.05  # how often the driver process is checked: bounds how late a death is noticed
 _HEALTH_EVERY_S = 2.0  # a bridge round trip, catching a live process with a dead link
 _STABLE_AFTER_S = 30.0  # a driver up this long resets the backoff
+_EXIT_REJECTED = 2  # a driver's exit status for arguments or a model it refuses (argparse's too)
+
+
+class _DriverRejected(DriverUnavailable):
+    """The driver exited before listening, refusing its configuration: a restart cannot help."""
 
 
 class DriverState(enum.Enum):
     STARTING = "starting"
     READY = "ready"
     RESTARTING = "restarting"
+    FAILED = "failed"  # the driver refused its configuration (a model it cannot load): not restarted
     STOPPED = "stopped"
 
 
@@ -101,6 +107,8 @@ class Supervisor:
             # A driver that just died is not handed out in the moment before the watcher notices.
             while self._engine is None or (self._proc is not None and self._proc.poll() is not None):
                 remaining = deadline - time.monotonic()
+                if self._state is DriverState.FAILED:
+                    raise DriverUnavailable(f"the model driver cannot start: {self._last_error}")
                 if self._stopping.is_set() or remaining <= 0:
                     detail = f": {self._last_error}" if self._last_error else ""
                     raise DriverUnavailable(f"the model driver is {self._state.value}{detail}")
@@ -135,6 +143,12 @@ class Supervisor:
             started_at = time.monotonic()
             reason = self._run_once()
             if self._stopping.is_set():
+                break
+            with self._cond:
+                failed = self._state is DriverState.FAILED
+            if failed:
+                log.error("%s cannot start (%s); not restarted: fix the configuration and restart", self._name, reason)
+                self._stopping.wait()
                 break
             if time.monotonic() - started_at > _STABLE_AFTER_S:
                 backoff_s = self._config.restart_backoff_initial_s
@@ -194,6 +208,12 @@ class Supervisor:
             reason = self._watch(proc, engine)
             self._lose(generation, reason)
             return reason
+        except _DriverRejected as exc:
+            with self._cond:
+                self._state = DriverState.FAILED
+                self._last_error = f"driver start failed: {exc}"
+                self._cond.notify_all()
+            return self._last_error
         except (HostError, DriverUnavailable, OSError) as exc:
             return f"driver start failed: {exc}"
         finally:
@@ -244,7 +264,8 @@ class Supervisor:
             if proc.poll() is not None:
                 if self._output is not None:
                     self._output.join(timeout=2.0)  # its last words, before quoting them
-                raise DriverUnavailable(f"driver exited with status {proc.returncode}: {_tail(workdir)}")
+                kind = _DriverRejected if proc.returncode == _EXIT_REJECTED else DriverUnavailable
+                raise kind(f"driver exited with status {proc.returncode}: {_tail(workdir)}")
             if time.monotonic() > deadline or self._stopping.is_set():
                 raise DriverUnavailable(f"driver did not listen within the startup timeout: {_tail(workdir)}")
             time.sleep(_POLL_S)

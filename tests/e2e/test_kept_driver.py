@@ -140,3 +140,26 @@ def test_two_hosts_on_a_kept_torch_driver(cache: Path, cache_dir: Path, sandbox:
     assert outcome_a.is_ok and outcome_a.output == a_alone
     assert refusal is not None and f"another host holds it: pid {os.getpid()} (" in str(refusal)
     assert alone(args_b) == b_alone  # served once A has left, on pages A and the others wrote
+
+
+def test_run_model_implies_the_torch_driver_and_names_a_bad_file(
+    cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`wafer run --model M`: the torch driver (no --driver given) with `--model M` first in its
+    arguments; a kept driver serving another model is not used; a file that is no model ends the
+    run with one line naming it."""
+    from host.cli.cli_engines import _model_of, engine_configs
+    from host.cli.commands import build_parser
+
+    parser, _ = build_parser()
+    ns = parser.parse_args(["--cache-dir", str(cache), "run", "hello", "--model", "/m.gguf", "--driver-arg=-v"])
+    (config,) = engine_configs(ns, lambda _: None)
+    assert config.driver == "torch" and config.driver_args == ("--model", "/m.gguf", "-v")
+    with pytest.raises(ValueError, match="only the torch driver loads a model"):
+        engine_configs(parser.parse_args(["run", "hello", "--model", "/m.gguf", "--driver", "dummy"]), print)
+    assert _model_of(("--threads", "2")) == "smollm2" and _model_of(("--model", "a", "--model=b")) == "b"
+    bad = tmp_path / "weights.gguf"
+    bad.write_bytes(b"GGUF" + bytes(64))
+    assert main(["--cache-dir", str(cache), "run", "hello", "--no-stdin", "--model", str(bad)]) == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert f"{bad} is not a readable GGUF file" in err and "Traceback" not in err, err

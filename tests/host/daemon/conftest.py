@@ -102,8 +102,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 @contextmanager
-def serving(config: DaemonConfig, echo_wasm: Path) -> Iterator[Server]:
-    """The daemon for `config`, in this process, served by uvicorn in a thread."""
+def serving(config: DaemonConfig, echo_wasm: Path, wait_ready: bool = True) -> Iterator[Server]:
+    """The daemon for `config`, in this process, served by uvicorn in a thread (once its driver is
+    ready, unless `wait_ready` is False)."""
     daemon = Daemon(config)
     app = create_app(config, daemon)
     # Keep-alive past any pause between tests: uvicorn closes an idle connection after 5 s by
@@ -122,7 +123,8 @@ def serving(config: DaemonConfig, echo_wasm: Path) -> Iterator[Server]:
             raise RuntimeError("the daemon did not start")
         time.sleep(0.05)
     srv = Server(config.url, config, echo_wasm, daemon)
-    srv.wait_ready()
+    if wait_ready:
+        srv.wait_ready()
     try:
         yield srv
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,20 @@ def test_config_file_named_by_environment(tmp_path: Path) -> None:
 def test_torch_model_becomes_a_driver_option() -> None:
     config = load_config({"driver": "torch", "model": "/m.gguf", "driver_args": ["--threads", "2"]}, environ={})
     assert config.driver_argv == ("--model", "/m.gguf", "--threads", "2")
+
+
+def test_a_model_with_no_driver_chosen_implies_the_torch_driver(tmp_path: Path) -> None:
+    assert load_config({"model": "/m.gguf"}, environ={}).replica_drivers == ("torch",)
+    assert load_config({}, environ={"WAFER_MODEL": "/m.gguf"}).driver_argv == ("--model", "/m.gguf")
+    path = tmp_path / "wafer.toml"
+    path.write_text('drivers = ["torch", "tcp:10.0.0.2:7000"]\n')
+    # A driver chosen anywhere stays chosen.
+    assert load_config({"model": "/m.gguf"}, environ={}, config_path=path).replica_drivers == (
+        "torch",
+        "tcp:10.0.0.2:7000",
+    )
+    with pytest.raises(DaemonConfigError, match="only the torch driver"):
+        load_config({"model": "/m.gguf"}, environ={"WAFER_DRIVER": "dummy"})
 
 
 def test_a_builtin_replica_carries_its_own_arguments(tmp_path: Path) -> None:
@@ -96,7 +111,7 @@ def test_drivers_list_replicas_and_replace_driver(tmp_path: Path) -> None:
         ({"drivers": [1]}, {}, "drivers"),
         ({}, {"WAFER_DRIVERS": "dummy,unix"}, "drivers"),
         ({"drivers": ["dummy"], "model": "x"}, {}, "model"),
-        ({"model": "x"}, {}, "model"),  # the dummy driver loads no model
+        ({}, {"WAFER_MODEL": "x", "WAFER_DRIVER": "dummy"}, "model"),  # the dummy driver loads no model
         ({"speculation_depth": -1}, {}, "speculation_depth"),
         ({"prefix_match_unit": -16}, {}, "prefix_match_unit"),
         ({"max_decode_steps": 0}, {}, "max_decode_steps"),
@@ -157,3 +172,19 @@ def test_data_dir_follows_cache_dir(tmp_path: Path) -> None:
     config = load_config({"cache_dir": str(tmp_path)}, environ={})
     assert config.data_dir == tmp_path / "daemon"
     assert load_config({"cache_dir": str(tmp_path), "data_dir": "/srv/x"}, environ={}).data_dir == Path("/srv/x")
+
+
+def test_serve_takes_the_model_as_its_argument(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`wafer serve MODEL`, as vLLM's and llama.cpp's users type it: the torch driver loads MODEL."""
+    from host.cli.commands import build_parser
+    from host.daemon.cli import config_of
+
+    for key in [k for k in os.environ if k.startswith("WAFER_")]:
+        monkeypatch.delenv(key)
+    parser, _ = build_parser()
+    config = config_of(parser.parse_args(["serve", "/models/m.gguf", "--served-model-name", "m"]))
+    assert config.replica_drivers == ("torch",) and config.driver_argv == ("--model", "/models/m.gguf")
+    assert config.served_model_name == "m"
+    assert config_of(parser.parse_args(["serve"])).replica_drivers == ("dummy",)  # no model: the dummy as before
+    with pytest.raises(DaemonConfigError, match="two models"):
+        config_of(parser.parse_args(["serve", "/a.gguf", "--model", "/b.gguf"]))

@@ -22,7 +22,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "dummy(**knobs): InferletRunner's knobs for the inferlet_runner fixture "
-        "(say, logits, vocab_size, page_size, num_pages, seed, speculation_depth, memory_mib, timeout_s)",
+        "(say, logits, vocab_size, page_size, num_pages, seed, speculation_depth, memory_mib, timeout_s, host_limits)",
     )
 
 

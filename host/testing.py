@@ -26,7 +26,7 @@ from pathlib import Path
 from host.build import build, resolve_inferlet, rewrite_guest_paths
 from host.engine import Engine, EngineConfig
 from host.sandbox import BufferedRunIO, RunHandle, RunStatus, Sandbox, SandboxConfig
-from host.sandbox.config import MIB, default_cache_dir
+from host.sandbox.config import MIB, RunHostLimits, default_cache_dir
 
 _Counters = Callable[[], tuple[int, int]]
 
@@ -115,7 +115,8 @@ class InferletRunner:
     token each, then the end-of-text token; a grammar's or mask's refusal of the next byte falls
     back to a draw within it), or None for random tokens. The other knobs are the dummy driver's
     (vocab_size at least 260: 256 bytes and 4 special tokens; max_context, the positions a
-    context may use; pass_latency_ms, a simulated device time per pass) and the run's limits.
+    context may use; pass_latency_ms, a simulated device time per pass) and the run's limits
+    (`host_limits`: what a run may hold on the host, as the daemon's `run_max_*` keys set it).
     `logits`: the "model's" logits at every row, {token or one-character text: logit} (others
     0), so that a sampler chain's effect can be tested: rows sample from them, after the chain,
     as the torch driver would."""
@@ -131,6 +132,7 @@ class InferletRunner:
     speculation_depth: int = 1
     memory_mib: int = 256
     timeout_s: float = 60.0
+    host_limits: RunHostLimits = field(default_factory=RunHostLimits)
     cache_dir: Path = field(default_factory=default_cache_dir)
 
     def __post_init__(self) -> None:
@@ -142,7 +144,10 @@ class InferletRunner:
         if self.logits:
             args += ["--logits", ",".join(f"{token}={float(value)!r}" for token, value in self.logits.items())]
         self._config = SandboxConfig(
-            cache_dir=self.cache_dir, memory_limit_bytes=self.memory_mib * MIB, wall_budget_s=self.timeout_s
+            cache_dir=self.cache_dir,
+            memory_limit_bytes=self.memory_mib * MIB,
+            wall_budget_s=self.timeout_s,
+            host_limits=self.host_limits,
         )
         self._sandbox = Sandbox(self._config).__enter__()
         try:

@@ -17,26 +17,15 @@ from wasmtime.component import LinkerInstance, ResourceAny, ResourceHost, Resour
 
 from host.api.host_call import borrowed_rep, error_text, host_function
 from host.errors import HostError
-from host.sandbox.config import MIB
+from host.sandbox.config import RunHostLimits
 from host.sandbox.outcome import RunStatus
 from host.sandbox.resources import ResourceKind, ResourceTable
 from host.sandbox.run_state import RunState, current_or_none
 
 if TYPE_CHECKING:  # host.grammar imports xgrammar (and torch): only runs that use grammars pay
     from host.grammar import Grammar, Matcher
-    from host.grammar.history import HistoryBudget
 
 INTERFACE = "grammar"
-
-# What one run may hold through this interface: host memory outside its memory cap. Grammar
-# handles keep their compiled grammar alive after the shared cache dropped it (one may take
-# grammar_max_mib), so the distinct grammars a run holds are bounded by their bytes as well.
-MAX_RUN_GRAMMARS = 64
-MAX_RUN_GRAMMAR_BYTES = 256 * MIB
-MAX_RUN_MATCHERS = 256
-# Accepted tokens a run's matchers hold together (host.grammar.history): 0.05-1.5 kB each on
-# xgrammar (measured), so up to about 200 MB; a run of 400,000 accepts and 80 forks took 2.1 GiB.
-MAX_RUN_MATCHER_TOKENS = 131_072
 
 # WIT kinds are kebab-case; host.grammar's are snake_case.
 _KINDS = {
@@ -50,10 +39,15 @@ _KINDS = {
 
 
 class _RunHoldings:
-    """What one run holds through this interface, checked against the MAX_RUN_* bounds."""
+    """What one run holds through this interface, checked against its `RunHostLimits` (host
+    memory outside its memory cap; grammar handles keep their compiled grammar alive after the
+    shared cache dropped it, so the distinct grammars a run holds are bounded by bytes too)."""
 
-    def __init__(self, history: HistoryBudget) -> None:
-        self.history = history
+    def __init__(self, limits: RunHostLimits) -> None:
+        from host.grammar.history import HistoryBudget
+
+        self.limits = limits
+        self.history = HistoryBudget(limits.matcher_tokens)
         self.num_matchers = 0
         self.num_grammars = 0
         self.grammar_bytes = 0  # of the distinct grammars behind the handles
@@ -61,7 +55,7 @@ class _RunHoldings:
 
     def grammars_full(self) -> str | None:
         """The error text when the run may take no more grammar handles, else None."""
-        if self.num_grammars < MAX_RUN_GRAMMARS:
+        if self.num_grammars < self.limits.grammars:
             return None
         return (
             f"grammar limit exceeded: the run holds {self.num_grammars} grammars, the most a run may; "
@@ -73,10 +67,10 @@ class _RunHoldings:
         if (full := self.grammars_full()) is not None:
             return full
         is_new = id(grammar) not in self._handles_of
-        if is_new and self.grammar_bytes + grammar.memory_bytes > MAX_RUN_GRAMMAR_BYTES:
+        if is_new and self.grammar_bytes + grammar.memory_bytes > self.limits.grammar_bytes:
             return (
                 f"grammar limit exceeded: the run's grammars would take {self.grammar_bytes + grammar.memory_bytes} "
-                f"bytes, more than the {MAX_RUN_GRAMMAR_BYTES} a run may hold; drop grammars you are done with"
+                f"bytes, more than the {self.limits.grammar_bytes} a run may hold; drop grammars you are done with"
             )
         self._handles_of[id(grammar)] = self._handles_of.get(id(grammar), 0) + 1
         self.grammar_bytes += grammar.memory_bytes if is_new else 0
@@ -93,7 +87,7 @@ class _RunHoldings:
 
     def check_matcher_room(self, run: RunState) -> None:
         """Before a new matcher: past the bound the run ends (a constructor has no error result)."""
-        if self.num_matchers >= MAX_RUN_MATCHERS:
+        if self.num_matchers >= self.limits.matchers:
             raise run.stop(
                 f"grammar limit exceeded: the run holds {self.num_matchers} matchers, the most a run may "
                 "(release matchers you are done with)",
@@ -110,9 +104,7 @@ def _holdings_of(run: RunState) -> _RunHoldings:
     with _holdings_lock:
         held = _holdings.get(run.resources)
         if held is None:
-            from host.grammar.history import HistoryBudget
-
-            held = _holdings[run.resources] = _RunHoldings(HistoryBudget(MAX_RUN_MATCHER_TOKENS))
+            held = _holdings[run.resources] = _RunHoldings(run.config.host_limits)
         return held
 
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from wasmtime.component import LinkerInstance
 
 from host.api.host_call import host_function
-from host.sandbox.config import MIB
 from host.sandbox.run_io import RunIO, utf8_len
 from host.sandbox.run_state import RunState
 
@@ -18,7 +17,6 @@ _POLL_S = 0.1
 # What one run may write to the host's log through `log` (UTF-8 bytes): the host keeps its log
 # on disk or a terminal, outside any run's budget (a loop of `log` wrote 1 GiB in 2.9 s). Past
 # it lines are dropped, and one line says so.
-MAX_RUN_LOG_BYTES = 1 * MIB
 
 
 @dataclass(slots=True)
@@ -70,7 +68,8 @@ def log(run: RunState, level: str, message: str) -> None:
     with _log_budgets_lock:
         budget = _log_budgets.setdefault(run.io, _LogBudget())
     size = utf8_len(message)
-    if budget.num_bytes + size <= MAX_RUN_LOG_BYTES:
+    limit = run.config.host_limits.log_bytes
+    if budget.num_bytes + size <= limit:
         budget.num_bytes += size
         run.io.log(run.run_id, level, message)
     elif not budget.is_cut:
@@ -78,7 +77,7 @@ def log(run: RunState, level: str, message: str) -> None:
         run.io.log(
             run.run_id,
             "warning",
-            f"log limit reached: the run logged {budget.num_bytes} bytes, and a run may log {MAX_RUN_LOG_BYTES}; "
+            f"log limit reached: the run logged {budget.num_bytes} bytes, and a run may log {limit}; "
             "its later lines are dropped",
         )
 

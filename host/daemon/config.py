@@ -21,7 +21,7 @@ from host.daemon.errors import DaemonConfigError
 from host.driver_link import BUILTIN_DRIVERS
 from host.driver_process import DriverEntryError, split_driver
 from host.engine.config import MULTI_STEP_BUDGET_MS
-from host.sandbox.config import MIB, SandboxConfig, default_cache_dir
+from host.sandbox.config import MIB, RunHostLimits, SandboxConfig, default_cache_dir
 
 LOG_FORMATS = ("json", "text")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -59,6 +59,18 @@ class DaemonConfig:
     run_watchdog_s: float = 30.0
     run_max_output_mib: int = 64  # what one run may emit and send, together
     run_max_inbound_mib: int = 16  # client messages waiting for one run
+    # What one run's wasm may declare beyond its one linear memory (its tables come out of
+    # run_memory_mib), and what it may make the host hold or log (SandboxConfig, RunHostLimits).
+    run_max_tables: int = 4
+    run_max_table_slots: int = 131_072
+    run_max_instances: int = 32
+    run_max_log_kib: int = 1024  # runtime.log, and each of stdout and stderr, in the host's log
+    run_max_grammars: int = 64
+    run_max_grammar_mib: int = 256
+    run_max_matchers: int = 256
+    run_max_matcher_tokens: int = 131_072
+    completions_max_prompts: int = 128  # prompts in one /v1/completions request
+    completions_max_choices: int = 256  # prompts x n in one /v1/completions request
     adapter_dir: str = ""  # where LoRA adapter names are resolved, on the driver's machine ("" = off)
     max_loaded_adapters: int = 64
     max_loaded_component_mib: int = 1024  # compiled inferlets kept in memory (LRU past it)
@@ -128,6 +140,17 @@ class DaemonConfig:
             wall_budget_s=self.run_timeout_s,
             max_output_bytes=self.run_max_output_mib * MIB,
             max_inbound_bytes=self.run_max_inbound_mib * MIB,
+            max_tables=self.run_max_tables,
+            max_table_elements=self.run_max_table_slots,
+            max_instances=self.run_max_instances,
+            host_limits=RunHostLimits(
+                log_bytes=self.run_max_log_kib * 1024,
+                stdio_log_bytes=self.run_max_log_kib * 1024,
+                grammars=self.run_max_grammars,
+                grammar_bytes=self.run_max_grammar_mib * MIB,
+                matchers=self.run_max_matchers,
+                matcher_tokens=self.run_max_matcher_tokens,
+            ),
             max_loaded_component_bytes=self.max_loaded_component_mib * MIB,
             compile_memory_bytes=self.component_compile_mib * MIB,
             group_compute_slots=self.key_guest_threads or max(1, (os.cpu_count() or 2) - 1),
@@ -310,6 +333,16 @@ def _check(c: DaemonConfig) -> None:
         "run_memory_mib": 20,  # the interpreter needs about 12 MiB, the tables take 4 (SandboxConfig)
         "run_max_output_mib": 1,
         "run_max_inbound_mib": 1,
+        "run_max_tables": 1,
+        "run_max_table_slots": 1,
+        "run_max_instances": 1,
+        "run_max_log_kib": 1,
+        "run_max_grammars": 1,
+        "run_max_grammar_mib": 1,
+        "run_max_matchers": 1,
+        "run_max_matcher_tokens": 1,
+        "completions_max_prompts": 1,
+        "completions_max_choices": 1,
         "max_loaded_adapters": 1,
         "max_loaded_component_mib": 1,
         "component_compile_mib": 64,
@@ -346,3 +379,9 @@ def _check(c: DaemonConfig) -> None:
         raise DaemonConfigError("log_level", f"use one of {', '.join(LOG_LEVELS)}; got {c.log_level!r}")
     if c.log_format not in LOG_FORMATS:
         raise DaemonConfigError("log_format", f"use one of {', '.join(LOG_FORMATS)}; got {c.log_format!r}")
+    if c.completions_max_choices < c.completions_max_prompts:
+        raise DaemonConfigError("completions_max_choices", "must be at least completions_max_prompts")
+    try:
+        c.sandbox_config()
+    except ValueError as exc:  # the tables' share of run_memory_mib leaves too little memory
+        raise DaemonConfigError("run_memory_mib", str(exc)) from None

@@ -112,22 +112,31 @@ def prepare_chat(
     return replace(job, tool_call=tool_call) if tool_call else job
 
 
-def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Tokenizer, grammars: GrammarSource) -> Job:
+def prepare_completion(
+    req: CompletionRequest,
+    model: ModelInfo,
+    tokenizer: Tokenizer,
+    grammars: GrammarSource,
+    max_prompts: int = MAX_PROMPTS,
+    max_choices: int = MAX_CHOICES,
+) -> Job:
+    """The chat inferlet's job for a completions request of at most `max_prompts` prompts and
+    `max_choices` choices (the daemon's `completions_max_*`)."""
     if req.suffix:
         raise BadRequest("suffix is not supported", param="suffix", code="unsupported_parameter")
     n = req.n or 1
     if req.best_of is not None and req.best_of != n:
         raise BadRequest("best_of other than n is not supported", param="best_of", code="unsupported_parameter")
     raw_prompts = _prompt_list(req.prompt)
-    if len(raw_prompts) > MAX_PROMPTS:
+    if len(raw_prompts) > max_prompts:
         raise BadRequest(
-            f"{len(raw_prompts)} prompts, past the {MAX_PROMPTS} one request may have: send fewer prompts per request",
+            f"{len(raw_prompts)} prompts, past the {max_prompts} one request may have: send fewer prompts per request",
             param="prompt",
         )
-    if len(raw_prompts) * n > MAX_CHOICES:
+    if len(raw_prompts) * n > max_choices:
         raise BadRequest(
             f"{len(raw_prompts)} prompts with n={n} ask for {len(raw_prompts) * n} choices, past the "
-            f"{MAX_CHOICES} one request may have: send fewer prompts per request",
+            f"{max_choices} one request may have: send fewer prompts per request",
             param="n" if n > 1 else "prompt",
         )
     prompts: list[dict[str, Any]] = []

@@ -89,7 +89,11 @@ async def chat_completions(request: Request) -> JSONResponse | StreamingResponse
 )
 async def completions(request: Request) -> JSONResponse | StreamingResponse:
     req = await parse_body(request, CompletionRequest)
-    return await serve_chat(request, "completion", req, prepare_completion, OpenAIWire())
+    config = daemon_of(request).config
+    prepare = functools.partial(
+        prepare_completion, max_prompts=config.completions_max_prompts, max_choices=config.completions_max_choices
+    )
+    return await serve_chat(request, "completion", req, prepare, OpenAIWire())
 
 
 class Wire(Protocol):

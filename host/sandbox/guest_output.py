@@ -17,21 +17,21 @@ _log = logging.getLogger("wafer.guest")
 
 # Enough for a Python traceback; a guest printing without bound must not grow host memory.
 MAX_KEPT_BYTES = 64 * 1024
-# What one stream of one run may write to the host's log: a guest printing without bound must not
-# fill it either. Past it the stream's lines are dropped (one line says so); the kept end of
-# stderr still follows the guest to its last byte.
-MAX_LOGGED_BYTES = 1024 * 1024
 
 
 class GuestStream:
-    def __init__(self, run_id: int, name: str, *, keep: bool) -> None:
+    def __init__(self, run_id: int, name: str, *, keep: bool, max_logged_bytes: int) -> None:
+        """`max_logged_bytes`: what the stream may write to the host's log (a guest printing
+        without bound must not fill it); past it its lines are dropped, one line says so, and the
+        kept end of stderr still follows the guest to its last byte."""
         self._run_id = run_id
+        self._max_logged_bytes = max_logged_bytes
         self._name = name
         self._keep = keep
         self._partial = b""
         self._kept = bytearray()
         self._num_logged = 0  # bytes of lines logged
-        self._is_cut = False  # lines were dropped past MAX_LOGGED_BYTES
+        self._is_cut = False  # lines were dropped past max_logged_bytes
         self._write_fd = -1
         self._reader: threading.Thread | None = None
 
@@ -87,7 +87,7 @@ class GuestStream:
         return self._kept.decode("utf-8", errors="replace")
 
     def _log_line(self, line: bytes) -> None:
-        if self._num_logged + len(line) <= MAX_LOGGED_BYTES:
+        if self._num_logged + len(line) <= self._max_logged_bytes:
             self._num_logged += len(line)
             _log.info("[run %d %s] %s", self._run_id, self._name, line.decode("utf-8", errors="replace"))
         elif not self._is_cut:
@@ -96,5 +96,5 @@ class GuestStream:
                 "[run %d %s] output limit for the host's log reached (%d bytes a stream); later lines are not logged",
                 self._run_id,
                 self._name,
-                MAX_LOGGED_BYTES,
+                self._max_logged_bytes,
             )

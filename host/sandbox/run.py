@@ -35,8 +35,9 @@ class Run:
         self._component = component
         self._done = threading.Event()
         self._outcome: RunOutcome | None = None
-        self._stdout = GuestStream(state.run_id, "stdout", keep=False)
-        self._stderr = GuestStream(state.run_id, "stderr", keep=True)
+        logged = state.config.host_limits.stdio_log_bytes
+        self._stdout = GuestStream(state.run_id, "stdout", keep=False, max_logged_bytes=logged)
+        self._stderr = GuestStream(state.run_id, "stderr", keep=True, max_logged_bytes=logged)
         self._thread = threading.Thread(target=self._main, name=f"wafer-run-{state.run_id}", daemon=True)
         self._store_ref: weakref.ref[wasmtime.Store] | None = None
         self.held_contexts = self.held_pages = 0  # set as the run ends (RunOutcome)

@@ -188,3 +188,36 @@ def test_serve_takes_the_model_as_its_argument(monkeypatch: pytest.MonkeyPatch) 
     assert config_of(parser.parse_args(["serve"])).replica_drivers == ("dummy",)  # no model: the dummy as before
     with pytest.raises(DaemonConfigError, match="two models"):
         config_of(parser.parse_args(["serve", "/a.gguf", "--model", "/b.gguf"]))
+
+
+def test_run_limits_reach_the_sandbox() -> None:
+    """Every per-run bound of the limits table has its key, and the sandbox gets it."""
+    keys = {
+        "run_max_tables": 2,
+        "run_max_table_slots": 1000,
+        "run_max_instances": 20,
+        "run_max_log_kib": 8,
+        "run_max_grammars": 3,
+        "run_max_grammar_mib": 5,
+        "run_max_matchers": 6,
+        "run_max_matcher_tokens": 700,
+    }
+    sandbox = load_config(keys, environ={}).sandbox_config()
+    limits = sandbox.host_limits
+    assert (sandbox.max_tables, sandbox.max_table_elements, sandbox.max_instances) == (2, 1000, 20)
+    assert (limits.log_bytes, limits.stdio_log_bytes) == (8 * 1024, 8 * 1024)
+    assert (limits.grammars, limits.grammar_bytes, limits.matchers, limits.matcher_tokens) == (3, 5 << 20, 6, 700)
+    # Tables come out of the run's memory: too many slots for it is refused at load.
+    with pytest.raises(DaemonConfigError, match="once the tables") as info:
+        load_config({"run_memory_mib": 32, "run_max_table_slots": 1 << 20}, environ={})
+    assert info.value.key == "run_memory_mib"
+    with pytest.raises(DaemonConfigError, match="at least completions_max_prompts"):
+        load_config({"completions_max_prompts": 10, "completions_max_choices": 5}, environ={})
+
+
+def test_every_key_is_documented() -> None:
+    from host.daemon.config import KEYS
+
+    text = (Path(__file__).resolve().parents[3] / "docs" / "operating.md").read_text()
+    missing = [key for key in KEYS if f"`{key}`" not in text]
+    assert not missing, f"docs/operating.md names no {missing}"

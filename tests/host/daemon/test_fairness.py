@@ -75,6 +75,22 @@ def test_completions_take_a_bounded_number_of_prompts_and_choices(server: Server
     assert len(client.completions.create(model="dummy", prompt=["a"] * 128, n=2, max_tokens=1).choices) == 256
 
 
+def test_the_completions_bounds_are_the_operators(server: Server, tmp_path: Path) -> None:
+    """`completions_max_prompts` and `completions_max_choices` reach the route."""
+    from host.daemon.config import load_config
+    from tests.host.daemon.conftest import API_KEY, _free_port, serving
+
+    keys = {"completions_max_prompts": 3, "completions_max_choices": 4, "driver": "dummy", "api_keys": [API_KEY]}
+    config = load_config({**keys, "port": _free_port(), "data_dir": str(tmp_path), "log_level": "warning"}, environ={})
+    with serving(config, server.echo_wasm) as small:
+        client = small.client()
+        with pytest.raises(openai.BadRequestError, match="4 prompts, past the 3 one request may have"):
+            client.completions.create(model="dummy", prompt=["a"] * 4, max_tokens=1)
+        with pytest.raises(openai.BadRequestError, match=r"2 prompts with n=3 ask for 6 choices, past the 4"):
+            client.completions.create(model="dummy", prompt=["a"] * 2, n=3, max_tokens=1)
+        assert len(client.completions.create(model="dummy", prompt=["a"] * 3, max_tokens=1).choices) == 3
+
+
 @pytest.mark.parametrize(
     ("text", "error"),
     [

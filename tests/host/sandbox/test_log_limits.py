@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from host.api import runtime as runtime_api
-from host.sandbox import guest_output
-from host.sandbox.guest_output import GuestStream
+from host.sandbox.config import RunHostLimits
+from host.sandbox.guest_output import MAX_KEPT_BYTES, GuestStream
 from host.testing import InferletRunner
 
 LOG_HOG = Path(__file__).parent / "inferlets" / "log_hog"
@@ -20,10 +19,8 @@ def _lines(caplog: pytest.LogCaptureFixture, logger: str, needle: str) -> list[s
     return [r.getMessage() for r in caplog.records if r.name == logger and needle in r.getMessage()]
 
 
-def test_runtime_log_is_bounded_per_run(
-    inferlet_runner: InferletRunner, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.setattr(runtime_api, "MAX_RUN_LOG_BYTES", 10_000)
+@pytest.mark.dummy(host_limits=RunHostLimits(log_bytes=10_000))
+def test_runtime_log_is_bounded_per_run(inferlet_runner: InferletRunner, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="wafer.run")
     result = inferlet_runner.run(LOG_HOG, "log", "100", "1000")
     assert result.ok and result.output == "done", result.error  # logging too much does not end a run
@@ -36,10 +33,10 @@ def test_runtime_log_is_bounded_per_run(
     assert len(_lines(caplog, "wafer.run", "x" * 1000)) == 3
 
 
+@pytest.mark.dummy(host_limits=RunHostLimits(stdio_log_bytes=10_000))
 def test_guest_stdout_and_stderr_in_the_log_are_bounded(
-    inferlet_runner: InferletRunner, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    inferlet_runner: InferletRunner, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(guest_output, "MAX_LOGGED_BYTES", 10_000)
     caplog.set_level(logging.INFO, logger="wafer.guest")
     result = inferlet_runner.run(LOG_HOG, "print", "100", "1000")
     assert result.ok and result.output == "done", result.error
@@ -48,11 +45,10 @@ def test_guest_stdout_and_stderr_in_the_log_are_bounded(
         assert len(_lines(caplog, "wafer.guest", f"{stream}] output limit for the host's log reached")) == 1
 
 
-def test_kept_stderr_is_its_last_bytes_whatever_was_logged(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(guest_output, "MAX_LOGGED_BYTES", 100)
-    stream = GuestStream(1, "stderr", keep=True)
+def test_kept_stderr_is_its_last_bytes_whatever_was_logged() -> None:
+    stream = GuestStream(1, "stderr", keep=True, max_logged_bytes=100)
     for i in range(100_000):
         stream.write(f"line {i}\n".encode())
     stream.flush()
-    assert len(stream.text.encode()) <= guest_output.MAX_KEPT_BYTES
+    assert len(stream.text.encode()) <= MAX_KEPT_BYTES
     assert stream.text.endswith("line 99999\n")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from drivers.errors import ConfigRejected
+from drivers.torch.rope import RopeScaling
 
 ARCHITECTURES = ("llama", "gemma")
 QK_NORMS = ("", "head", "projection")
@@ -30,10 +31,11 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 10000.0
-    # Llama 3.1+ RoPE scaling: (factor, low_freq_factor, high_freq_factor, original_max_position).
     # RoPE rotates the first `rotary_dim` dims of each head (0 = all; Phi-4-mini: 3/4), the rest pass.
     rotary_dim: int = 0
-    rope_llama3: tuple[float, float, float, int] | None = None
+    # RoPE scaling of full-attention layers (None = default): linear, dynamic NTK, YaRN, LongRoPE
+    # or Llama 3.1+'s, with its parameters; `rope.py` computes its frequencies and attention factor.
+    rope_scaling: RopeScaling | None = None
     rms_eps: float = 1e-5
     max_position: int = 8192
     tie_embeddings: bool = True

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drivers.torch.config import ModelConfig
-from drivers.torch.rope import model_inv_freqs
+from drivers.torch.rope import model_attention_factors, model_inv_freqs
 
 # attend(layer, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, H, D]: stores k/v, attends.
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -127,12 +127,16 @@ class Decoder(nn.Module):
 
 
 def rope_cos_sin(
-    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, factor: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [T, 1, D] for rotate-half RoPE, computed in float32 like transformers."""
+    """cos/sin [T, 1, D] for rotate-half RoPE times the kind's attention `factor` (YaRN,
+    LongRoPE), computed in float32 like transformers."""
     angles = positions.float()[:, None] * inv_freq.float()[None, :]
     emb = torch.cat((angles, angles), dim=-1)[:, None, :]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -289,9 +293,10 @@ class Transformer(nn.Module):
         if cfg.arch == "gemma":  # Gemma scales embeddings by sqrt(hidden), rounded to the activation dtype
             x = x * torch.tensor(math.sqrt(cfg.hidden_size), dtype=x.dtype)
         x = _times(x, cfg.embedding_multiplier)
-        rope = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        factor, factor_local = model_attention_factors(cfg)
+        rope = rope_cos_sin(self.inv_freq, positions, x.dtype, factor)
         has_local = any(w > 0 for w in cfg.layer_windows)
-        return x, rope, rope_cos_sin(self.inv_freq_local, positions, x.dtype) if has_local else rope
+        return x, rope, rope_cos_sin(self.inv_freq_local, positions, x.dtype, factor_local) if has_local else rope
 
     def head(self) -> nn.Module | torch.Tensor:
         """The output projection: a module, or the weight of a plain linear (tied or not)."""

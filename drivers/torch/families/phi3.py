@@ -1,7 +1,8 @@
 """Phi-3 / Phi-3.5 / Phi-4-mini: Llama's block whose checkpoint holds q, k and v as one
 `qkv_proj` and gate and up as one `gate_up_proj`: split at load into the shared transformer's
 names (which the driver fuses again). One window for every layer where `sliding_window` is set.
-LongRoPE and partial rotation are refused by `rope.py`."""
+Phi-3.5 and Phi-4-mini's LongRoPE (and Phi-3's older "su"/"yarn" names for it) and Phi-4-mini's
+partial rotation come from `rope.py`."""
 
 from __future__ import annotations
 

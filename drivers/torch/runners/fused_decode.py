@@ -20,6 +20,7 @@ from drivers.torch.kernels import cpu_kernels
 from drivers.torch.kernels.paged_attention import PagedAttention
 from drivers.torch.kv_cache import PagedKVCache
 from drivers.torch.model import Transformer
+from drivers.torch.rope import model_attention_factors
 from drivers.torch.weights.cpu_layout import TransposedLinear
 from drivers.torch.weights.quantize import DynamicInt8Linear
 
@@ -68,6 +69,7 @@ def unsupported(model: Transformer, cache: PagedKVCache) -> str:
         (bool(cfg.qk_norm) or cfg.final_logit_softcap > 0, "q/k norms or a logit soft cap"),
         (not cfg.has_pre_norms, "blocks with norms after attention and MLP"),
         (bool(cfg.layers_without_rope) or cfg.rope_dim != cfg.head_dim, "layers without RoPE or partial RoPE"),
+        (model_attention_factors(cfg)[0] != 1.0, "a RoPE attention factor (YaRN, LongRoPE)"),
         (
             (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling) != (1.0, 1.0, 1.0),
             "embedding, residual or logit multipliers",

@@ -223,8 +223,8 @@ def test_configs_it_cannot_run_are_refused_by_name(
 
 def test_a_rope_kind_it_lacks_is_refused_by_name() -> None:
     raw = dict(model_type="phi3", **TINY_SHAPE)
-    raw["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8}
-    with pytest.raises(ConfigRejected, match=r"longrope.*not supported yet"):
+    raw["rope_parameters"] = {"rope_type": "proportional", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(ConfigRejected, match=r"proportional.*not supported yet"):
         hf_config(raw, "m")
 
 

@@ -20,7 +20,7 @@ from drivers.torch.families import hf_config
 from drivers.torch.rope import hf_rope_fields, model_attention_factors, model_inv_freqs, rope_inv_freq
 from drivers.torch.runners import fused_decode
 from tests.drivers.torch.helpers import TINY_SHAPE, load_dir, make_driver, needs_kernel, write_tiny_family
-from tests.drivers.torch.test_families import PAGE_SIZE, PAGES, STEPS, _assert_decode_matches_transformers
+from tests.drivers.torch.test_families import PAGE_SIZE, PAGES, STEPS, _assert_decode_matches_transformers, _driver
 
 FACTORS = dict(short_factor=[1.0 + i / 4 for i in range(8)], long_factor=[1.5 + i for i in range(8)])
 LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, **FACTORS)
@@ -124,6 +124,16 @@ def test_linear_scaling_decodes_in_the_fused_step(tmp_path: Path) -> None:
     assert drv.fused is not None
     _assert_decode_matches_transformers(drv, path, seed=5)
     assert drv.fused.passes == STEPS
+
+
+def test_compiled_graphs_take_the_attention_factor(tmp_path: Path) -> None:
+    """The compiled graphs call the model's `embed`: LongRoPE's factors and attention factor over
+    half of each head, on windowed layers, as in transformers (the slowest test here: it compiles)."""
+    family, settings = CASES["longrope-long"]
+    path = write_tiny_family(tmp_path / "m", family, **settings)
+    drv = _driver(load_dir(path), compile=True)
+    assert drv.compiled is not None
+    _assert_decode_matches_transformers(drv, path, seed=3)
 
 
 # ---------------------------------------------------------------- frequencies

@@ -67,12 +67,17 @@ _WASM_BODY = {
 
 @router.post("/v1/inferlets", summary="Upload an inferlet component", openapi_extra=_WASM_BODY, status_code=201)
 async def upload(
-    request: Request, shared: Annotated[bool, Query(description="visible to every API key, not only this one")] = False
+    request: Request,
+    shared: Annotated[bool, Query(description="visible to every API key, not only this one")] = False,
+    model: Annotated[
+        str,
+        Query(description="call it as model `wafer/<model>` through the chat APIs (it must speak the chat protocol)"),
+    ] = "",
 ) -> JSONResponse:
     data = await request.body()
     daemon = daemon_of(request)
     quota = UploadQuota(daemon.config.key_max_uploads, daemon.config.key_max_upload_bytes)
-    entry, is_new = await anyio.to_thread.run_sync(daemon.store.add, data, key_id_of(request), shared, quota)
+    entry, is_new = await anyio.to_thread.run_sync(daemon.store.add, data, key_id_of(request), shared, quota, model)
     return JSONResponse(entry.describe(), status_code=201 if is_new else 200)
 
 

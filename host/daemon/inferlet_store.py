@@ -34,6 +34,8 @@ log = logging.getLogger("wafer.daemon.store")
 
 _ID = re.compile(r"^sha256:[0-9a-f]{64}$")
 _HEX = re.compile(r"^[0-9a-f]{64}$")
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+MODEL_PREFIX = "wafer/"  # an inferlet a key named as a model is `wafer/<name>` to that key
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,7 @@ class StoredInferlet:
     size_bytes: int
     created_at: float  # when the asking key uploaded it (a shared one: when it was shared)
     is_shared: bool = False
+    model: str = ""  # the model id the asking key calls it by ("" = none)
 
     def describe(self) -> dict[str, object]:
         return {
@@ -61,6 +64,7 @@ class StoredInferlet:
             "bytes": self.size_bytes,
             "created": int(self.created_at),
             "shared": self.is_shared,
+            "model": self.model or None,
         }
 
 
@@ -71,6 +75,7 @@ class _Record:
     has_app: bool  # sources in <hex>.app.json
     owners: dict[str, float] = field(default_factory=dict)  # key id -> when it uploaded
     sharers: set[str] = field(default_factory=set)  # owners that shared it: every key sees it
+    models: dict[str, str] = field(default_factory=dict)  # owner -> the model name it gave it
 
     def allows(self, owner: str) -> bool:
         return owner in self.owners or bool(self.sharers)
@@ -79,7 +84,10 @@ class _Record:
         created = self.owners.get(owner)
         if created is None:
             created = min(self.owners[s] for s in self.sharers)
-        return StoredInferlet(inferlet_id, self.size_bytes, created, bool(self.sharers))
+        name = self.models.get(owner)
+        return StoredInferlet(
+            inferlet_id, self.size_bytes, created, bool(self.sharers), MODEL_PREFIX + name if name else ""
+        )
 
     def to_json(self) -> str:
         return json.dumps(
@@ -89,6 +97,7 @@ class _Record:
                 "app": self.has_app,
                 "owners": self.owners,
                 "sharers": sorted(self.sharers),
+                "models": self.models,
             }
         )
 
@@ -99,9 +108,9 @@ class _Record:
         component = str(doc["component"])
         if not _HEX.match(component):
             raise ValueError(f"bad component {component!r}")
-        return cls(
-            int(doc["bytes"]), component, bool(doc["app"]), owners, {str(s) for s in doc["sharers"]} & set(owners)
-        )
+        models = {str(k): str(v) for k, v in doc.get("models", {}).items() if k in owners and _MODEL_NAME.match(v)}
+        sharers = {str(s) for s in doc["sharers"]} & set(owners)
+        return cls(int(doc["bytes"]), component, bool(doc["app"]), owners, sharers, models)
 
 
 class InferletStore:
@@ -183,13 +192,21 @@ class InferletStore:
     # ------------------------------------------------------------------ uploads
 
     def add(
-        self, data: bytes, owner: str = "", shared: bool = False, quota: UploadQuota = UNLIMITED
+        self, data: bytes, owner: str = "", shared: bool = False, quota: UploadQuota = UNLIMITED, model: str = ""
     ) -> tuple[StoredInferlet, bool]:
         """Store and check a component (blocking: a first compile takes seconds) for `owner` (an
         API key's id; `shared`: for every key). Returns the entry and whether it was new to this
-        owner. Bytes that are not a component are a 400; past the owner's quota, a 403."""
+        owner. Bytes that are not a component are a 400; past the owner's quota, a 403.
+        `model`: the owner calls it by `wafer/<model>` through the chat APIs (it speaks the chat
+        protocol); the name moves from another of the owner's inferlets that had it."""
         if not data:
             raise BadRequest("the upload is empty: send the component's bytes as the body", param="body")
+        if model and not _MODEL_NAME.match(model):
+            raise BadRequest(
+                f"model names are 1 to 64 letters, digits, '.', '_' or '-' (starting with a letter or digit), "
+                f"got {model!r}",
+                param="model",
+            )
         hex_id = hashlib.sha256(data).hexdigest()
         try:
             component_bytes, app = split_sources(data)
@@ -214,10 +231,14 @@ class InferletStore:
                         self._write(self._app_path(hex_id), encode_payload(app))
                     record = _Record(len(data), component, app is not None)
                 is_new = owner not in record.owners
-                if is_new or (shared and owner not in record.sharers):
+                renamed = bool(model) and record.models.get(owner) != model
+                if is_new or (shared and owner not in record.sharers) or renamed:
                     record.owners.setdefault(owner, time.time())
                     if shared:
                         record.sharers.add(owner)
+                    if renamed:
+                        self._take_name(owner, model)
+                        record.models[owner] = model
                     self._write(self._record_path(hex_id), record.to_json().encode())
                     self._records[hex_id] = record
                 return record.as_seen_by(f"sha256:{hex_id}", owner), is_new
@@ -227,6 +248,32 @@ class InferletStore:
                 if not self._pinned[component]:
                     del self._pinned[component]
                 self._drop_component_if_unused(component)
+
+    def _take_name(self, owner: str, model: str) -> None:
+        """Lock held: `owner`'s inferlet called `model`, if any, is called so no more."""
+        for hex_id, record in self._records.items():
+            if record.models.get(owner) == model:
+                del record.models[owner]
+                self._write(self._record_path(hex_id), record.to_json().encode())
+
+    def model(self, name: str, owner: str) -> str:
+        """The id of the inferlet `owner` calls `wafer/<name>`; NotFound if none."""
+        with self._lock:
+            for hex_id, record in self._records.items():
+                if record.models.get(owner) == name:
+                    return f"sha256:{hex_id}"
+        raise NotFound(
+            f"The model '{MODEL_PREFIX}{name}' does not exist: upload an inferlet that speaks chat with "
+            f"POST /v1/inferlets?model={name}",
+            param="model",
+            code="model_not_found",
+        )
+
+    def models(self, owner: str) -> list[StoredInferlet]:
+        """The inferlets `owner` named as models, by name."""
+        with self._lock:
+            found = [r.as_seen_by(f"sha256:{h}", owner) for h, r in self._records.items() if owner in r.models]
+        return sorted(found, key=lambda entry: entry.model)
 
     def _check_quota(self, hex_id: str, size_bytes: int, owner: str, quota: UploadQuota) -> None:
         """Lock held. Bytes this key has already are free; anything else counts whole, whoever
@@ -282,6 +329,7 @@ class InferletStore:
                 raise self._not_found(inferlet_id)
             del record.owners[owner]
             record.sharers.discard(owner)
+            record.models.pop(owner, None)
             if record.owners:
                 self._write(self._record_path(hex_id), record.to_json().encode())
                 return

@@ -31,6 +31,7 @@ from host.daemon.http_util import (
     request_id_of,
     sse,
 )
+from host.daemon.inferlet_store import MODEL_PREFIX
 from host.daemon.openai_models import ChatCompletionRequest, CompletionRequest
 from host.daemon.openai_prepare import GrammarSource, Job, check_model, prepare_chat, prepare_completion
 from host.daemon.openai_render import Renderer, Update
@@ -55,15 +56,21 @@ def _model_object(name: str) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": 0, "owned_by": "wafer"}
 
 
-@router.get("/v1/models", summary="List the served models")
+@router.get("/v1/models", summary="List the served models (and this key's inferlets named as models)")
 async def list_models(request: Request) -> dict[str, Any]:
-    name = await anyio.to_thread.run_sync(daemon_of(request).served_model)
-    return {"object": "list", "data": [_model_object(name)]}
+    daemon = daemon_of(request)
+    name = await anyio.to_thread.run_sync(daemon.served_model)
+    named = [_model_object(entry.model) for entry in daemon.store.models(key_id_of(request))]
+    return {"object": "list", "data": [_model_object(name), *named]}
 
 
 @router.get("/v1/models/{model_id:path}", summary="Describe a served model")
 async def get_model(request: Request, model_id: str) -> dict[str, Any]:
-    name = await anyio.to_thread.run_sync(daemon_of(request).served_model)
+    daemon = daemon_of(request)
+    if model_id.startswith(MODEL_PREFIX):
+        daemon.store.model(model_id.removeprefix(MODEL_PREFIX), key_id_of(request))
+        return _model_object(model_id)
+    name = await anyio.to_thread.run_sync(daemon.served_model)
     check_model(model_id, name)
     return _model_object(name)
 
@@ -158,15 +165,21 @@ async def serve_chat(
     completions, any other kind chat choices)."""
     daemon = daemon_of(request)
     started = time.monotonic()
+    # `wafer/<name>`: an inferlet this key uploaded under that name, speaking the chat protocol.
+    is_named = isinstance(req.model, str) and req.model.startswith(MODEL_PREFIX)
+    inferlet = CHAT_INFERLET
+    if is_named:
+        inferlet = daemon.store.model(req.model.removeprefix(MODEL_PREFIX), key_id_of(request))
 
     def prepared(engine: AnyEngine) -> tuple[list[str], Prepared]:
         """In the worker thread that starts the run: rendering, tokenizing, compiling."""
-        served = daemon.served_model()
+        served = req.model if is_named else daemon.served_model()
         check_model(req.model, served)
         job = prepare(req, engine.model, engine.tokenizer, engine.grammars)
         return [json.dumps(job.args)], (served, job, engine.tokenizer)
 
-    record, (served, job, tokenizer), early = await _start(daemon, prepared, key_id_of(request), kind, started)
+    owner = key_id_of(request)
+    record, (served, job, tokenizer), early = await _start(daemon, prepared, owner, kind, started, inferlet)
     render_kind = "completion" if kind == "completion" else "chat"
     renderer = Renderer(render_kind, job, served, tokenizer, request_id_of(request))
     early_error = _run_error(record) if early[-1].kind == "end" else None
@@ -224,15 +237,18 @@ async def _start(
     owner: str,
     kind: str,
     started: float,
+    inferlet: str = CHAT_INFERLET,
 ) -> tuple[RunRecord, Prepared, list[RunEvent]]:
     """Prepare and start the chat run, and read it up to its first generated tokens (or its end).
     A run whose driver died before it generated anything is prepared and started once more, on
     the restarted driver: nothing of it reached the client, so the request need not fail."""
     for attempt in (1, 2):
         with daemon.waiting.track_inprogress():
-            record, job = await daemon.runs.start(
-                daemon.chat_component, CHAT_INFERLET, "chat", ENGINE_WAIT_S, prepared, owner=owner
-            )
+            if inferlet == CHAT_INFERLET:
+                component = daemon.chat_component
+            else:
+                component = await anyio.to_thread.run_sync(daemon.store.load, inferlet, owner)
+            record, job = await daemon.runs.start(component, inferlet, "chat", ENGINE_WAIT_S, prepared, owner=owner)
         if attempt == 1:
             daemon.queue_time.labels(kind).observe(time.monotonic() - started)
         early: list[RunEvent] = []

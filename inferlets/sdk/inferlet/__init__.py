@@ -17,6 +17,7 @@ snapshot build for an inferlet that needs others).
 from inferlet.adapter import Adapter, AdapterError
 from inferlet.arguments import ArgumentParser
 from inferlet.attention import LogitMask, Window
+from inferlet.chat_model import ChatRequest, chat_model
 from inferlet.context import (
     Completion,
     Context,
@@ -57,6 +58,7 @@ __all__ = [
     "ArgumentParser",
     "Chain",
     "ChatMessage",
+    "ChatRequest",
     "Completion",
     "Context",
     "Grammar",
@@ -82,6 +84,7 @@ __all__ = [
     "Typical",
     "Window",
     "args",
+    "chat_model",
     "decode_steps",
     "decode_steps_with_logprobs",
     "detokenize",

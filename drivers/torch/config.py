@@ -63,6 +63,16 @@ class ModelConfig:
     logits_scaling: float = 1.0
     # SmolLM3: layers whose q and k get no RoPE.
     layers_without_rope: tuple[int, ...] = ()
+    # Mixture of experts (Mixtral, Qwen3-MoE; 0 experts = dense): each MoE layer holds `num_experts`
+    # SiLU MLPs of `moe_intermediate_size`; each token runs its top `experts_per_token` by the
+    # router's softmax, weighted by their probabilities, renormalized to sum 1 where
+    # `norm_topk_prob`. `dense_mlp_layers` keep one dense MLP of `intermediate_size` instead
+    # (Qwen3-MoE's `mlp_only_layers` and `decoder_sparse_step`).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    norm_topk_prob: bool = False
+    moe_intermediate_size: int = 0
+    dense_mlp_layers: tuple[int, ...] = ()
     name: str = "model"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -84,6 +94,25 @@ class ModelConfig:
             raise ConfigRejected("a layer without RoPE is not a layer of the model", "layers_without_rope")
         if min(self.embedding_multiplier, self.residual_multiplier, self.logits_scaling) <= 0:
             raise ConfigRejected("the multipliers and logits_scaling must be positive", "logits_scaling")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        if not self.num_experts:
+            if self.experts_per_token or self.dense_mlp_layers:
+                raise ConfigRejected("experts_per_token and dense_mlp_layers need num_experts", "num_experts")
+            return
+        if self.num_experts < 0 or not 0 < self.experts_per_token <= self.num_experts:
+            raise ConfigRejected("experts_per_token must be 1 to num_experts", "experts_per_token")
+        if self.moe_intermediate_size <= 0:
+            raise ConfigRejected("a mixture of experts needs moe_intermediate_size", "moe_intermediate_size")
+        if self.arch != "llama":
+            raise ConfigRejected("a mixture of experts is implemented on the llama block only", "num_experts")
+        if any(not 0 <= i < self.num_layers for i in self.dense_mlp_layers):
+            raise ConfigRejected("a dense MLP layer is not a layer of the model", "dense_mlp_layers")
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether `layer`'s feed-forward is a mixture of experts (else a dense MLP)."""
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers
 
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0

@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drivers.errors import Unsupported
 from drivers.torch.config import ModelConfig
+from drivers.torch.moe import MoE
 from drivers.torch.rope import model_attention_factors, model_inv_freqs
 
 # attend(layer, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, H, D]: stores k/v, attends.
@@ -92,16 +94,16 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     self_attn: Attention
-    mlp: MLP
+    mlp: MLP | MoE
     input_layernorm: RMSNorm
     post_attention_layernorm: RMSNorm
     pre_feedforward_layernorm: RMSNorm
     post_feedforward_layernorm: RMSNorm
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe(layer) else MLP(cfg)
         if cfg.has_pre_norms:
             self.input_layernorm = _norm(cfg, cfg.hidden_size)
         # Llama: the norm before the MLP; Gemma and OLMo 2: the norm of the attention output.
@@ -119,7 +121,7 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = _norm(cfg, cfg.hidden_size)
 
     def blocks(self) -> list[Block]:
@@ -235,19 +237,30 @@ def attention_output(
         h = block.pre_feedforward_layernorm(x)
     else:
         h = block.post_attention_layernorm(x) if cfg.has_pre_norms else x
-    mlp = block.mlp
-    if mlp.gate_up is None:
-        gate, up = _proj(mlp.gate_proj, "gate_proj", h, lora), _proj(mlp.up_proj, "up_proj", h, lora)
-    else:
-        size = cfg.intermediate_size
-        gate, up = _fused(mlp.gate_up, ("gate_proj", "up_proj"), (size, size), h, lora)
-    act = F.gelu(gate, approximate="tanh") if gemma else F.silu(gate)
-    m = _proj(mlp.down_proj, "down_proj", act * up, lora)
+    m = _moe(cfg, block.mlp, h, lora) if isinstance(block.mlp, MoE) else _mlp(cfg, block.mlp, h, lora)
     if reduce is not None:
         m = reduce(m)
     if cfg.has_post_norms:
         m = block.post_feedforward_layernorm(m)
     return x + _times(m, cfg.residual_multiplier)
+
+
+def _mlp(cfg: ModelConfig, mlp: MLP, h: torch.Tensor, lora: LayerLora | None) -> torch.Tensor:
+    if mlp.gate_up is None:
+        gate, up = _proj(mlp.gate_proj, "gate_proj", h, lora), _proj(mlp.up_proj, "up_proj", h, lora)
+    else:
+        size = cfg.intermediate_size
+        gate, up = _fused(mlp.gate_up, ("gate_proj", "up_proj"), (size, size), h, lora)
+    act = F.gelu(gate, approximate="tanh") if cfg.arch == "gemma" else F.silu(gate)
+    return _proj(mlp.down_proj, "down_proj", act * up, lora)
+
+
+def _moe(cfg: ModelConfig, moe: MoE, h: torch.Tensor, lora: LayerLora | None) -> torch.Tensor:
+    if lora is not None:  # an adapter's MLP deltas fit no expert: refused, never dropped
+        probes = {"gate_proj": h, "up_proj": h, "down_proj": h.new_zeros(h.shape[0], cfg.intermediate_size)}
+        if any(lora(name, x) is not None for name, x in probes.items()):
+            raise Unsupported("LoRA on the MLP of a mixture-of-experts layer is not supported", "adapter_id")
+    return moe(h)
 
 
 def output_logits(cfg: ModelConfig, norm: RMSNorm, head: nn.Module | torch.Tensor, x: torch.Tensor) -> torch.Tensor:

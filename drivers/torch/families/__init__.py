@@ -10,10 +10,10 @@ import torch
 
 from drivers.errors import ConfigRejected
 from drivers.torch.config import ModelConfig
-from drivers.torch.families import gemma, granite, llama, olmo2, phi3, qwen3, smollm3
+from drivers.torch.families import gemma, granite, llama, mixtral, olmo2, phi3, qwen3, qwen3_moe, smollm3
 from drivers.torch.families.fields import common_fields
 
-_MODULES = (llama, qwen3, olmo2, granite, smollm3, phi3, gemma)
+_MODULES = (llama, qwen3, olmo2, granite, smollm3, phi3, gemma, mixtral, qwen3_moe)
 _BY_TYPE = {kind: module for module in _MODULES for kind in module.MODEL_TYPES}
 MODEL_TYPES = tuple(_BY_TYPE)
 
@@ -28,5 +28,8 @@ def hf_config(raw: dict[str, Any], name: str) -> ModelConfig:
 
 
 def adapt_weights(raw: dict[str, Any], cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors under the shared transformer's names (Phi-3 splits its fused ones)."""
-    return phi3.adapt_weights(cfg, state) if raw.get("model_type") in phi3.MODEL_TYPES else state
+    """The checkpoint's tensors under the shared transformer's names (Phi-3 splits its fused ones,
+    Mixtral renames its experts' and the MoE families split fused experts)."""
+    module = _BY_TYPE.get(str(raw.get("model_type")))
+    adapt = getattr(module, "adapt_weights", None)
+    return state if adapt is None else adapt(cfg, state)

@@ -1,7 +1,8 @@
 """Megatron-style sharding of a loaded checkpoint and of LoRA adapters for one rank of N: q/k/v
-and gate/up are column parallel (rank r keeps its heads, its MLP columns), o and down are row
-parallel (their partial outputs are summed over ranks by the model's `reduce`); embeddings, norms
-and the output head are replicated. Pure tensor slicing: knows nothing of processes."""
+and gate/up are column parallel (rank r keeps its heads, its MLP columns, each expert's columns),
+o and down are row parallel (their partial outputs are summed over ranks by the model's `reduce`);
+embeddings, norms, MoE routers (every rank routes alike) and the output head are replicated.
+Pure tensor slicing: knows nothing of processes."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from drivers.torch.config import ModelConfig
 from drivers.torch.weights.checkpoint import Checkpoint
 from drivers.torch.weights.lora import LoraWeights
 
-_LAYER_KEY = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(\w+_proj)\.(weight|bias)$")
+_LAYER_KEY = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp|mlp\.experts\.\d+)\.(\w+_proj)\.(weight|bias)$")
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # outputs split over ranks
 ROW_PARALLEL = ("o_proj", "down_proj")  # inputs split over ranks; outputs summed
 
@@ -34,6 +35,7 @@ def check_tensor_parallel(cfg: ModelConfig, num_ranks: int) -> None:
         ("KV heads", cfg.num_kv_heads),
         ("attention heads", cfg.num_heads),
         ("MLP columns (intermediate size)", cfg.intermediate_size),
+        ("expert columns (moe_intermediate_size)", cfg.moe_intermediate_size),
     ):
         if n % num_ranks:
             raise ConfigRejected(
@@ -44,18 +46,21 @@ def check_tensor_parallel(cfg: ModelConfig, num_ranks: int) -> None:
 
 
 def shard_config(cfg: ModelConfig, num_ranks: int) -> ModelConfig:
-    """The shape one rank's model has: 1/N of the heads, KV heads and MLP columns."""
+    """The shape one rank's model has: 1/N of the heads, KV heads, MLP and expert columns."""
     check_tensor_parallel(cfg, num_ranks)
     return dataclasses.replace(
         cfg,
         num_heads=cfg.num_heads // num_ranks,
         num_kv_heads=cfg.num_kv_heads // num_ranks,
         intermediate_size=cfg.intermediate_size // num_ranks,
+        moe_intermediate_size=cfg.moe_intermediate_size // num_ranks,
     )
 
 
-def _rows(cfg: ModelConfig, proj: str) -> int:
+def _rows(cfg: ModelConfig, proj: str, is_expert: bool) -> int:
     """Output rows of a column-parallel projection on the full model."""
+    if is_expert:
+        return cfg.moe_intermediate_size
     if proj == "q_proj":
         return cfg.num_heads * cfg.head_dim
     if proj in ("k_proj", "v_proj"):
@@ -79,7 +84,7 @@ def shard_checkpoint(ckpt: Checkpoint, rank: int, num_ranks: int) -> Checkpoint:
         m = _LAYER_KEY.match(key)
         proj = m.group(2) if m else ""
         if proj in COLUMN_PARALLEL:
-            assert t.shape[0] == _rows(cfg, proj), key
+            assert m is not None and t.shape[0] == _rows(cfg, proj, ".experts." in m.group(1)), key
             state[key] = _part(t, 0, rank, num_ranks)
         elif proj in ROW_PARALLEL and m is not None and m.group(3) == "weight":
             state[key] = _part(t, 1, rank, num_ranks)

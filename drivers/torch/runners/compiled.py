@@ -39,7 +39,10 @@ _Families = dict[int, tuple[torch.Tensor, ...]]  # `PagedAttention.family_keys` 
 def unsupported(cfg: ModelConfig) -> str:
     """Why the compiled graphs cannot run this model ("" if they can): the attention they call
     has no logit soft cap, and layers without RoPE would give the per-layer function a second
-    graph for each size pattern that is not marked dynamic."""
+    graph for each size pattern that is not marked dynamic; a mixture of experts sizes its matmuls
+    by how many tokens each expert got (counts read back from the tensors, not marked dynamic)."""
+    if cfg.num_experts:
+        return "mixture-of-experts blocks"
     if cfg.attn_logit_softcap:
         return "an attention logit soft cap"
     if cfg.layers_without_rope:

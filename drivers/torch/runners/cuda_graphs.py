@@ -65,6 +65,9 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.passes = 0  # passes served here
         self.disabled = ""  # why graphs are off after a failed capture
+        if cfg.num_experts:  # routing reads each expert's token count back to the host: no capture
+            self.disabled = "the decode graphs do not take mixture-of-experts blocks"
+            log.info("CUDA graphs off: %s", self.disabled)
 
     def eligible(self, plan: PassPlan) -> bool:
         n = len(plan.num_q_np)

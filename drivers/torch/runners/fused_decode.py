@@ -66,6 +66,7 @@ def unsupported(model: Transformer, cache: PagedKVCache) -> str:
     cfg = model.cfg
     reasons = [
         (cfg.arch != "llama", f"{cfg.arch} blocks"),
+        (cfg.num_experts > 0, "mixture-of-experts blocks"),
         (bool(cfg.qk_norm) or cfg.final_logit_softcap > 0, "q/k norms or a logit soft cap"),
         (not cfg.has_pre_norms, "blocks with norms after attention and MLP"),
         (bool(cfg.layers_without_rope) or cfg.rope_dim != cfg.head_dim, "layers without RoPE or partial RoPE"),

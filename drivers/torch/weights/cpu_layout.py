@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from drivers.torch.model import Transformer
+from drivers.torch.moe import mlp_parts
 
 
 class TransposedLinear(nn.Module):
@@ -39,7 +40,7 @@ def transpose_linears(model: Transformer, use_kernel: bool = False) -> Transform
     """Replace the model's linear layers (and output head) by `TransposedLinear`, in place;
     `use_kernel`: decode rows through the C++ op (the caller has loaded the kernels)."""
     for block in model.model.blocks():
-        for parent in (block.self_attn, block.mlp):
+        for parent in (block.self_attn, *mlp_parts(block.mlp)):  # a MoE router stays as it is
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
                     setattr(parent, name, TransposedLinear(child.weight, child.bias, use_kernel))

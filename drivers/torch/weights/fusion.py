@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from drivers.torch.model import Transformer
+from drivers.torch.moe import mlp_parts
 
 
 def _cat_linear(parts: list[nn.Module]) -> nn.Linear:
@@ -26,8 +27,10 @@ def _cat_linear(parts: list[nn.Module]) -> nn.Linear:
 def fuse_projections(model: Transformer) -> Transformer:
     """Fuse in place; the separate projections are dropped (their weights live in the fused ones)."""
     for block in model.model.blocks():
-        attn, mlp = block.self_attn, block.mlp
+        attn = block.self_attn
         attn.qkv = _cat_linear([attn.q_proj, attn.k_proj, attn.v_proj])
-        mlp.gate_up = _cat_linear([mlp.gate_proj, mlp.up_proj])
-        del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
+        del attn.q_proj, attn.k_proj, attn.v_proj
+        for mlp in mlp_parts(block.mlp):  # the MLP, or each expert
+            mlp.gate_up = _cat_linear([mlp.gate_proj, mlp.up_proj])
+            del mlp.gate_proj, mlp.up_proj
     return model

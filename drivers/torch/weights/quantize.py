@@ -24,6 +24,7 @@ from torch import nn
 from drivers.errors import ConfigRejected
 from drivers.torch.kernels import cpu_kernels
 from drivers.torch.model import Transformer
+from drivers.torch.moe import mlp_parts
 from drivers.torch.weights import weight_arena
 
 log = logging.getLogger(__name__)
@@ -207,7 +208,7 @@ def quantize_int8(model: Transformer, kind: str = "int8", use_kernel: bool = Tru
 
     converted = []
     for block in model.model.blocks():
-        for parent in (block.self_attn, block.mlp):
+        for parent in (block.self_attn, *mlp_parts(block.mlp)):  # a MoE router stays as it is
             for name in _STEP_ORDER:
                 child = getattr(parent, name, None)
                 if isinstance(child, nn.Linear):

@@ -46,7 +46,9 @@ _EPS = 1e-5
 
 def cannot_smooth(cfg: ModelConfig) -> str:
     """Why `smooth` cannot fold this model's factors ("" if it can): the q/k/v and gate/up inputs
-    must come out of a norm."""
+    must come out of a norm, and each MLP input feed one gate/up (not a router and experts)."""
+    if cfg.num_experts:
+        return "mixture-of-experts blocks"
     return "" if cfg.has_pre_norms else "blocks without norms before attention and MLP"
 
 

@@ -25,7 +25,7 @@ from drivers.torch.moe import MoE
 from drivers.torch.parallel.tensor_parallel import shard_checkpoint
 from drivers.torch.runners import compiled
 from drivers.torch.runners.cuda_graphs import DecodeGraphs
-from drivers.torch.weights.quantize import DynamicInt8Linear
+from drivers.torch.weights.quantize import DynamicInt8Linear, Int8Linear
 from tests.drivers.torch import test_families
 from tests.drivers.torch.helpers import (
     forward,
@@ -194,6 +194,20 @@ def test_w8a8_quantizes_the_experts_and_tracks_float32(
     assert all(isinstance(lin, DynamicInt8Linear) for lin in projections)
     w8a8 = drv.logits(spec)
     corr = torch.corrcoef(torch.stack([dense.flatten(), w8a8.flatten()]))[0, 1]
+    assert corr > 0.99, corr
+
+
+def test_int8_weights_quantize_the_experts_in_bfloat16(family: tuple[str, Path]) -> None:
+    """Weight-only int8 (bf16 activations) quantizes the experts too, close to dense bf16."""
+    _, path = family
+    ckpt = load_dir(path)
+    spec = forward([request(random_tokens(PROMPT, 256, seed=12), 0, PAGES, PAGE_SIZE, all_rows=True)])
+    dense = _driver(ckpt, dtype="bfloat16").logits(spec)
+    drv = _driver(ckpt, dtype="bfloat16", weights="int8")
+    experts = [e for b in drv.model.model.blocks() if isinstance(b.mlp, MoE) for e in b.mlp.experts]
+    assert experts and all(isinstance(e.gate_up, Int8Linear) for e in experts)
+    int8 = drv.logits(spec)
+    corr = torch.corrcoef(torch.stack([dense.flatten().float(), int8.flatten().float()]))[0, 1]
     assert corr > 0.99, corr
 
 

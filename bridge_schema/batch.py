@@ -43,6 +43,13 @@ class Sampler:
     xtc_threshold: float = 0.1
     mirostat_tau: float = 0.0
     mirostat_eta: float = 0.1
+    # DRY (`Forward`'s "Sampler chain"; llama.cpp's defaults), off at multiplier 0; its sequence
+    # breakers are token ids.
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_last_n: int = 0
+    dry_breakers: tuple[int, ...] = ()
     # Worked out once, at construction: `build_forward` reads them for every output of a pass.
     has_penalties: bool = field(init=False, compare=False, repr=False)
     has_filters: bool = field(init=False, compare=False, repr=False)
@@ -55,7 +62,11 @@ class Sampler:
         )
         object.__setattr__(self, "has_penalties", penalties)
         object.__setattr__(self, "has_filters", filters)
-        object.__setattr__(self, "has_chain", penalties or filters or bool(self.logit_bias))
+        object.__setattr__(self, "has_chain", penalties or filters or bool(self.logit_bias) or self.has_dry)
+
+    @property
+    def has_dry(self) -> bool:
+        return self.dry_multiplier != 0.0
 
     @staticmethod
     def greedy() -> Sampler:
@@ -222,6 +233,12 @@ def _chain_columns(samplers: list[Sampler]) -> dict[str, npt.NDArray[Any]]:
         ]
         for name, column in zip(FILTER_COLUMNS, zip(*filters, strict=True), strict=True):
             columns[name] = np.array(column, dtype=np.float32)
+    if any(s.has_dry for s in samplers):
+        dry = [(s.dry_multiplier, s.dry_base, s.dry_allowed_length, s.dry_last_n) for s in samplers]
+        for (name, dtype), column in zip(DRY_COLUMNS, zip(*dry, strict=True), strict=True):
+            columns[name] = np.array(column, dtype=dtype)
+        columns["dry_breaker_indptr"] = _indptr([len(s.dry_breakers) for s in samplers])
+        columns["dry_breaker_ids"] = np.array([t for s in samplers for t in s.dry_breakers], dtype=np.uint32)
     if any(s.logit_bias for s in samplers):
         pairs = [pair for s in samplers for pair in s.logit_bias]
         columns["logit_bias_indptr"] = _indptr([len(s.logit_bias) for s in samplers])
@@ -240,6 +257,15 @@ PENALTY_COLUMNS: tuple[tuple[str, type], ...] = (
     ("penalty_from", np.uint32),
     ("repetition_from", np.uint32),
     ("penalty_last_n", np.uint32),
+)
+
+
+# DRY's per-output columns of `Forward` (all [O], or all empty), beside its breakers' CSR.
+DRY_COLUMNS: tuple[tuple[str, type], ...] = (
+    ("dry_multiplier", np.float32),
+    ("dry_base", np.float32),
+    ("dry_allowed_length", np.uint32),
+    ("dry_last_n", np.uint32),
 )
 
 

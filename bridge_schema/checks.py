@@ -12,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
-from bridge_schema.batch import FILTER_COLUMNS, PENALTY_COLUMNS, logit_mask_words
+from bridge_schema.batch import DRY_COLUMNS, FILTER_COLUMNS, PENALTY_COLUMNS, logit_mask_words
 from bridge_schema.errors import FieldError, RangeError, ShapeError
 from bridge_schema.limits import Limits
 from bridge_schema.messages import (
@@ -179,6 +179,10 @@ def _check_outputs(f: Forward, n_inputs: npt.NDArray[np.int64], n_out: npt.NDArr
         or len(f.logit_bias)
         or len(f.typical_p)
         or len(f.xtc_threshold)
+        or len(f.dry_multiplier)
+        or len(f.dry_last_n)
+        or len(f.dry_breaker_indptr)
+        or len(f.dry_breaker_ids)
     ):
         _check_chain(f, o)
     if o == 0:
@@ -250,6 +254,7 @@ def _check_chain(f: Forward, o: int) -> None:
         ):
             if np.count_nonzero(valid) != o:
                 raise RangeError(message, name)
+    _check_dry(f, o)
     if len(f.logit_bias_indptr) or len(f.logit_bias_ids) or len(f.logit_bias):
         counts = _counts("logit_bias_indptr", f.logit_bias_indptr, o, len(f.logit_bias_ids))
         if len(f.logit_bias) != len(f.logit_bias_ids):
@@ -260,6 +265,21 @@ def _check_chain(f: Forward, o: int) -> None:
             new_row[f.logit_bias_indptr[:-1][counts > 0].astype(np.int64)] = True
             if np.count_nonzero((ids[1:] <= ids[:-1]) & ~new_row[1:]):
                 raise ShapeError("ids must be strictly increasing within a row", "logit_bias_ids")
+
+
+def _check_dry(f: Forward, o: int) -> None:
+    """DRY's columns all [O] with its breakers' CSR, or all empty; multiplier >= 0, base >= 1."""
+    lengths = {len(getattr(f, name)) for name, _ in DRY_COLUMNS} | {len(f.dry_breaker_indptr), len(f.dry_breaker_ids)}
+    if lengths == {0}:
+        return
+    for name, _ in DRY_COLUMNS:
+        if len(getattr(f, name)) != o:
+            raise ShapeError(f"has {len(getattr(f, name))} entries for {o} output rows (or none)", name)
+    _counts("dry_breaker_indptr", f.dry_breaker_indptr, o, len(f.dry_breaker_ids))
+    if np.count_nonzero(f.dry_multiplier >= 0) != o:
+        raise RangeError("must be >= 0 (0 = off)", "dry_multiplier")
+    if np.count_nonzero(f.dry_base >= 1) != o:
+        raise RangeError("must be >= 1", "dry_base")
 
 
 def _check_limits(
@@ -308,6 +328,8 @@ def _check_limits(
         raise RangeError("points past the last logit mask", "logit_mask_index")
     if len(f.logit_bias_ids) and int(f.logit_bias_ids.max()) >= lim.vocab_size:
         raise RangeError(f"token id {int(f.logit_bias_ids.max())} >= vocab size {lim.vocab_size}", "logit_bias_ids")
+    if len(f.dry_breaker_ids) and int(f.dry_breaker_ids.max()) >= lim.vocab_size:
+        raise RangeError(f"token id {int(f.dry_breaker_ids.max())} >= vocab size {lim.vocab_size}", "dry_breaker_ids")
     if len(f.probe_k) and int(f.probe_k.max()) > lim.max_probe_k:
         raise RangeError(f"{int(f.probe_k.max())} exceeds the limit {lim.max_probe_k}", "probe_k")
 

@@ -168,6 +168,16 @@ class Forward(Message):
     target less the drawn token's surprise), then the draw. The driver keeps mu per KV slot, as
     it keeps the tokens: the step at slot s reads slot s - 1's and writes slot s's, and writing
     a token into a slot clears its mu.
+
+    DRY (llama.cpp's "don't repeat yourself"), after the penalties: over the tokens w of the KV
+    slots [max(0, s + 1 - dry_last_n), s] (all of them for 0; an unwritten slot counts as a
+    breaker), let the limit be the number of tokens after the last sequence breaker of w (the
+    row's dry_breaker_ids; all of w without one). For every earlier position e of w (not its
+    last), k(e) is the length of the longest run ending at e equal to the run ending at w's last
+    token, at most the limit. The token after e, w[e + 1], takes the longest k of its positions;
+    where that is at least dry_allowed_length, its logit drops by dry_multiplier *
+    dry_base ** (k - dry_allowed_length), the exponent capped at floor(88.7228391 / ln dry_base)
+    (llama.cpp's rule).
     """
 
     TAG: ClassVar[str] = "forward"
@@ -222,6 +232,13 @@ class Forward(Message):
     xtc_threshold: F32 = array_field("<f4")  # [O] or empty: in [0, 1]
     mirostat_tau: F32 = array_field("<f4")  # [O] or empty: Mirostat 2's target surprise (bits), 0 = off
     mirostat_eta: F32 = array_field("<f4")  # [O] or empty: its learning rate, in [0, 1]
+    # DRY (see above): all [O] or all empty, with its breakers' CSR over the outputs.
+    dry_multiplier: F32 = array_field("<f4")  # [O] or empty: >= 0, 0 = off
+    dry_base: F32 = array_field("<f4")  # [O] or empty: >= 1
+    dry_allowed_length: U32 = array_field("<u4")  # [O] or empty
+    dry_last_n: U32 = array_field("<u4")  # [O] or empty: the last n slots, 0 = all
+    dry_breaker_indptr: U32 = array_field("<u4")  # [O+1] or empty
+    dry_breaker_ids: U32 = array_field("<u4")
 
     @property
     def num_requests(self) -> int:

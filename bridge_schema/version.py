@@ -2,4 +2,4 @@
 
 from __future__ import annotations
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10

@@ -10,12 +10,13 @@ parent's pages, a truncation or rollback shortens kv_len, and a new host re-fill
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from bridge_schema.batch import FILTER_COLUMNS, PENALTY_COLUMNS
+from bridge_schema.batch import DRY_COLUMNS, FILTER_COLUMNS, PENALTY_COLUMNS
 from bridge_schema.messages import Forward
 
 # Random sampling considers the PREFILTER most likely tokens; the rest carry ~0 mass.
@@ -115,6 +116,19 @@ def bias_entries(f: Forward) -> Entries | None:
     return Entries(rows, f.logit_bias_ids.astype(np.int64), bias=f.logit_bias)
 
 
+def _own_slots(f: Forward, page_size: int) -> Callable[[int], tuple[int, int]]:
+    """Output row o -> (its request, the KV slot of its own input token)."""
+    out_ptr = f.out_indptr.astype(np.int64)
+    request_of = np.repeat(np.arange(len(out_ptr) - 1), np.diff(out_ptr))
+    first_slot = _kv_lens(f, page_size) - np.diff(f.token_indptr.astype(np.int64))
+
+    def own(o: int) -> tuple[int, int]:
+        r = int(request_of[o])
+        return r, int(first_slot[r]) + int(f.out_rows[o])
+
+    return own
+
+
 def penalty_entries(f: Forward, tokens: SlotTokens) -> Entries | None:
     """The penalties' pairs: per output row with a penalty, every token in its windows."""
     if not len(f.repetition_penalty):
@@ -125,13 +139,10 @@ def penalty_entries(f: Forward, tokens: SlotTokens) -> Entries | None:
     if not active:
         return None
     ps = tokens.page_size
-    out_ptr = f.out_indptr.astype(np.int64)
-    request_of = np.repeat(np.arange(len(out_ptr) - 1), np.diff(out_ptr))
-    first_slot = _kv_lens(f, ps) - np.diff(f.token_indptr.astype(np.int64))
+    own_slot = _own_slots(f, ps)
     parts: list[tuple[int, I64, F32, npt.NDArray[np.bool_]]] = []
     for o in active:
-        r = int(request_of[o])
-        s = int(first_slot[r]) + int(f.out_rows[o])
+        r, s = own_slot(o)
         last_n = int(f.penalty_last_n[o])
         recent = s + 1 - last_n if last_n else 0
         lo_pf, lo_rep = max(int(f.penalty_from[o]), recent), max(int(f.repetition_from[o]), recent)
@@ -161,6 +172,73 @@ def penalty_entries(f: Forward, tokens: SlotTokens) -> Entries | None:
     )
 
 
+# llama.cpp caps DRY's exponent where dry_base ** exponent would pass float32's range.
+_DRY_MAX_LOG = 88.7228391
+
+
+def dry_entries(f: Forward, tokens: SlotTokens) -> Entries | None:
+    """DRY's pairs (`Forward`'s "Sampler chain"): per output row with DRY, every token that
+    would continue a repeat of at least its allowed length, and the (negative) value to add."""
+    if not len(f.dry_multiplier):
+        return None
+    active = np.flatnonzero(f.dry_multiplier > 0).tolist()
+    if not active:
+        return None
+    ps = tokens.page_size
+    own_slot = _own_slots(f, ps)
+    breaker_ptr = f.dry_breaker_indptr.astype(np.int64)
+    parts: list[tuple[int, I64, F32]] = []
+    for o in active:
+        r, s = own_slot(o)
+        last_n = int(f.dry_last_n[o])
+        slots = np.arange(max(0, s + 1 - last_n) if last_n else 0, s + 1, dtype=np.int64)
+        window = tokens.table[_flat_slots(f, r, slots, ps)].astype(np.int64)
+        breakers = f.dry_breaker_ids[breaker_ptr[o] : breaker_ptr[o + 1]].astype(np.int64)
+        lengths = _dry_repeats(window, breakers)
+        allowed = int(f.dry_allowed_length[o])
+        hits = np.flatnonzero(lengths >= max(allowed, 1))
+        hits = hits[window[hits + 1] >= 0]  # an unwritten slot is no token to penalize
+        if not len(hits):
+            continue
+        following = window[hits + 1]
+        ids, inverse = np.unique(following, return_inverse=True)
+        longest = np.zeros(len(ids), dtype=np.int64)
+        np.maximum.at(longest, inverse, lengths[hits])
+        base = float(f.dry_base[o])
+        exponent = (longest - allowed).astype(np.float64)
+        if base > 1.000001:
+            exponent = np.minimum(exponent, np.floor(_DRY_MAX_LOG / np.log(base)))
+        penalty = float(f.dry_multiplier[o]) * np.power(np.float64(base), exponent)
+        parts.append((o, ids, (-penalty).astype(np.float32)))
+    if not parts:
+        return None
+    rows = np.repeat(np.array([p[0] for p in parts], dtype=np.int64), [len(p[1]) for p in parts])
+    return Entries(rows, np.concatenate([p[1] for p in parts]), bias=np.concatenate([p[2] for p in parts]))
+
+
+def _dry_repeats(window: I64, breakers: I64) -> I64:
+    """For each position e of `window` but its last: the length of the longest run ending at e
+    equal to the run ending at the last token, at most the tokens after the last breaker (an
+    unwritten slot, -1, is one)."""
+    n = len(window)
+    if n < 2:
+        return np.zeros(0, dtype=np.int64)
+    is_breaker = (window < 0) | np.isin(window, breakers)
+    after = np.flatnonzero(is_breaker)
+    limit = n - 1 - int(after[-1]) if len(after) else n
+    lengths = np.zeros(n - 1, dtype=np.int64)
+    ends = np.arange(n - 1)
+    live = window[:-1] == window[-1]
+    for q in range(limit):
+        if q:
+            live &= ends - q >= 0
+            live[live] = window[ends[live] - q] == window[n - 1 - q]
+        if not live.any():
+            break
+        lengths[live] += 1
+    return lengths
+
+
 def penalized(values: F32, e: Entries) -> F32:
     """`values` (the entries' logits) after the penalties."""
     assert e.counts is not None and e.repeated is not None and e.repetition is not None
@@ -181,15 +259,25 @@ def take_outputs(f: Forward, outputs: I64) -> dict[str, npt.NDArray[np.generic]]
         for name in FILTER_COLUMNS:
             columns[name] = getattr(f, name)[outputs]
     if len(f.logit_bias_indptr):
-        ptr = f.logit_bias_indptr.astype(np.int64)
-        picks = [np.arange(ptr[o], ptr[o + 1]) for o in outputs.tolist()]
-        index = np.concatenate(picks) if picks else np.zeros(0, np.int64)
-        columns["logit_bias_indptr"] = np.concatenate(([0], np.cumsum(ptr[outputs + 1] - ptr[outputs]))).astype(
-            np.uint32
-        )
+        indptr, index = _take_csr(f.logit_bias_indptr, outputs)
+        columns["logit_bias_indptr"] = indptr
         columns["logit_bias_ids"] = f.logit_bias_ids[index]
         columns["logit_bias"] = f.logit_bias[index]
+    if len(f.dry_multiplier):
+        for name, _ in DRY_COLUMNS:
+            columns[name] = getattr(f, name)[outputs]
+        indptr, index = _take_csr(f.dry_breaker_indptr, outputs)
+        columns["dry_breaker_indptr"] = indptr
+        columns["dry_breaker_ids"] = f.dry_breaker_ids[index]
     return columns
+
+
+def _take_csr(indptr: npt.NDArray[np.uint32], outputs: I64) -> tuple[npt.NDArray[np.uint32], I64]:
+    """The indptr of a CSR over `outputs` (in that order), and the indices of their entries."""
+    ptr = indptr.astype(np.int64)
+    picks = [np.arange(ptr[o], ptr[o + 1]) for o in outputs.tolist()]
+    index = np.concatenate(picks) if picks else np.zeros(0, np.int64)
+    return np.concatenate(([0], np.cumsum(ptr[outputs + 1] - ptr[outputs]))).astype(np.uint32), index
 
 
 PENALTY_FIELDS = tuple(name for name, _ in PENALTY_COLUMNS)
@@ -205,6 +293,10 @@ def apply_chain_np(logits: F32, f: Forward, tokens: SlotTokens) -> F32:
     penalties = penalty_entries(f, tokens)
     if penalties is not None:
         out[penalties.rows, penalties.ids] = penalized(out[penalties.rows, penalties.ids], penalties)
+    dry = dry_entries(f, tokens)
+    if dry is not None:
+        assert dry.bias is not None
+        out[dry.rows, dry.ids] += dry.bias
     return out
 
 

@@ -232,7 +232,13 @@ class DummyDriver:
 
         tokens = np.minimum((draws * vocab).astype(np.int64), vocab - 1).astype(np.int32)
         logprobs = np.zeros(o, dtype=np.float32)
-        if self.config.logits or len(f.repetition_penalty) or len(f.logit_bias_ids) or len(f.typical_p):
+        if (
+            self.config.logits
+            or len(f.repetition_penalty)
+            or len(f.logit_bias_ids)
+            or len(f.typical_p)
+            or len(f.dry_multiplier)
+        ):
             xtc = self._rng.random(o)
             if n_seeded:
                 xtc[seeded] = xtc_uniform(f.seed[seeded], positions[seeded])

@@ -16,7 +16,7 @@ from bridge_schema.batch import logit_mask_words
 from bridge_schema.messages import Forward, Probe, SamplerKind
 from bridge_schema.sampling import seeded_uniform, xtc_uniform
 from drivers.errors import RequestRejected
-from drivers.sampler_chain import PREFILTER, SlotTokens, bias_entries, penalty_entries
+from drivers.sampler_chain import PREFILTER, SlotTokens, bias_entries, dry_entries, penalty_entries
 from drivers.torch.kernels import cpu_kernels
 
 # As a plain int: numpy compares an array with an IntEnum member through Python-level calls
@@ -86,13 +86,13 @@ def apply_logit_masks(logits: torch.Tensor, plan: SamplingPlan) -> torch.Tensor:
 
 
 def apply_chain(logits: torch.Tensor, fwd: Forward, slot_tokens: SlotTokens) -> torch.Tensor:
-    """`logits` [O, V] after the chain's logit bias and penalties (`drivers.sampler_chain`),
+    """`logits` [O, V] after the chain's logit bias, penalties and DRY (`drivers.sampler_chain`),
     as sparse gathers and scatters of the touched (row, token) pairs; `logits` itself when the
     pass has neither."""
-    if not len(fwd.logit_bias_ids) and not len(fwd.repetition_penalty):
+    if not len(fwd.logit_bias_ids) and not len(fwd.repetition_penalty) and not len(fwd.dry_multiplier):
         return logits
-    bias, penalties = bias_entries(fwd), penalty_entries(fwd, slot_tokens)
-    if bias is None and penalties is None:
+    bias, penalties, dry = bias_entries(fwd), penalty_entries(fwd, slot_tokens), dry_entries(fwd, slot_tokens)
+    if bias is None and penalties is None and dry is None:
         return logits
     out = logits.clone()
     device = logits.device
@@ -112,6 +112,9 @@ def apply_chain(logits: torch.Tensor, fwd: Forward, slot_tokens: SlotTokens) -> 
         repetition, counts = tensor(e.repetition), tensor(e.counts)
         v = torch.where(tensor(e.repeated), torch.where(v > 0, v / repetition, v * repetition), v)
         out[where] = v - tensor(e.presence) * (counts > 0) - tensor(e.frequency) * counts
+    if dry is not None:
+        assert dry.bias is not None
+        out.index_put_((tensor(dry.rows), tensor(dry.ids)), tensor(dry.bias), accumulate=True)
     return out
 
 

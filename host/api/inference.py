@@ -123,14 +123,22 @@ _PENALTY_FIELDS = (
 _FILTER_FIELDS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "mirostat_tau", "mirostat_eta")
 
 
+_DRY_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_last_n", "dry_breakers")
+
+
 def _with_stages(
-    sampler: Sampler, logit_bias: list[tuple[int, float]], penalties: tuple[Any, ...], filters: tuple[float, ...]
+    sampler: Sampler,
+    logit_bias: list[tuple[int, float]],
+    penalties: tuple[Any, ...],
+    filters: tuple[float, ...],
+    dry: tuple[Any, ...] = (),
 ) -> Sampler:
-    """`sampler` with a chain's stages: the bias pairs, and the penalties' and filters' record
-    fields in WIT order (empty for none)."""
+    """`sampler` with a chain's stages: the bias pairs, and the penalties', filters' and DRY's
+    record fields in WIT order (empty for none)."""
     stages: dict[str, Any] = {"logit_bias": tuple(sorted((int(t), float(b)) for t, b in logit_bias))}
     stages.update(zip(_PENALTY_FIELDS, penalties, strict=False))
     stages.update(zip(_FILTER_FIELDS, filters, strict=False))
+    stages.update(zip(_DRY_FIELDS, dry, strict=False))
     return replace(sampler, **stages)
 
 
@@ -140,17 +148,24 @@ def _record(rec: Any, names: tuple[str, ...]) -> tuple[Any, ...]:
 
 _PENALTY_RECORD = ("repetition", "presence", "frequency", "since", "repetition_since", "last_n")
 _FILTER_RECORD = _FILTER_FIELDS
+_DRY_RECORD = ("multiplier", "base", "allowed_length", "last_n", "breakers")
+
+
+def _dry(rec: Any) -> tuple[Any, ...]:
+    values = _record(rec, _DRY_RECORD)
+    return (*values[:4], tuple(sorted({int(t) for t in values[4]}))) if values else ()
 
 
 @host_function
 def sampler_stages(
-    run: RunState, handle: ResourceAny, row: int, logit_bias: list[Any], penalties: Any, filters: Any
+    run: RunState, handle: ResourceAny, row: int, logit_bias: list[Any], penalties: Any, filters: Any, dry: Any
 ) -> None:
     builder = pass_builder(run, handle)
-    _charge(run, builder, len(logit_bias) * 2 * _ELEMENT_BYTES)
+    breakers = 0 if dry is None else len(rec_field(dry, "breakers"))
+    _charge(run, builder, (len(logit_bias) * 2 + breakers) * _ELEMENT_BYTES)
     for i, spec in enumerate(builder.outputs):
         if spec.row == row:
-            stages = (logit_bias, _record(penalties, _PENALTY_RECORD), _record(filters, _FILTER_RECORD))
+            stages = (logit_bias, _record(penalties, _PENALTY_RECORD), _record(filters, _FILTER_RECORD), _dry(dry))
             builder.outputs[i] = replace(spec, sampler=_with_stages(spec.sampler, *stages))
             return
     raise wasmtime.WasmtimeError(f"no output on row {row}: call output() for it first")
@@ -319,8 +334,14 @@ def _decode_chained_raw(run: RunState, context: Any, args: Any) -> Any:
         p = raw_calls.record_values(penalties)
         penalty_values = (p[0].of.f32, p[1].of.f32, p[2].of.f32, p[3].of.u32, p[4].of.u32, p[5].of.u32)
     filter_values = () if filters is None else tuple(v.of.f32 for v in raw_calls.record_values(filters))
+    dry = raw_calls.option_value(args[6])
+    dry_values: tuple[Any, ...] = ()
+    if dry is not None:
+        d = raw_calls.record_values(dry)
+        breakers = tuple(sorted(set(raw_calls.u32_list(d[4]))))
+        dry_values = (d[0].of.f32, d[1].of.f32, d[2].of.u32, d[3].of.u32, breakers)
     bias = [(t.of.u32, b.of.f32) for t, b in pairs]
-    sampler = _with_stages(_raw_sampler(args[2]), bias, penalty_values, filter_values)
+    sampler = _with_stages(_raw_sampler(args[2]), bias, penalty_values, filter_values, dry_values)
     result = decode(run, raw_calls.borrow_rep(context, args[0]), raw_calls.u32_list(args[1]), sampler)
     return raw_calls.err_string(result) if isinstance(result, str) else raw_calls.ok_u32(result)
 
@@ -405,4 +426,4 @@ def register(instance: LinkerInstance) -> None:
         raw_calls.add_raw_func(instance, "decode", _decode_raw, 3)
     else:
         instance.add_func("decode", decode_stock)
-    raw_calls.add_raw_func(instance, "decode-chained", _decode_chained_raw, 6)
+    raw_calls.add_raw_func(instance, "decode-chained", _decode_chained_raw, 7)

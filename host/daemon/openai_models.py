@@ -158,6 +158,14 @@ class _Sampling(_Strict):
     mirostat: Literal[0, 2] | None = None  # llama.cpp's: 0 off, 2 Mirostat 2 (1 is not served)
     mirostat_tau: Annotated[StrictFloat | StrictInt, Field(gt=0.0, le=100.0)] | None = None
     mirostat_eta: Annotated[StrictFloat | StrictInt, Field(ge=0.0, le=1.0)] | None = None
+    # llama.cpp's server's DRY: dry_penalty_last_n -1 looks at the whole context, 0 turns it off.
+    dry_multiplier: Annotated[StrictFloat | StrictInt, Field(ge=0.0, le=100.0)] | None = None
+    dry_base: Annotated[StrictFloat | StrictInt, Field(ge=1.0, le=100.0)] | None = None
+    dry_allowed_length: Annotated[StrictInt, Field(ge=0, le=1_000_000)] | None = None
+    dry_penalty_last_n: Annotated[StrictInt, Field(ge=-1, le=1_000_000)] | None = None
+    dry_sequence_breakers: (
+        Annotated[list[Annotated[StrictStr, Field(min_length=1, max_length=32)]], Field(max_length=16)] | None
+    ) = None
     user: StrictStr | None = None
     # An extension (as in vLLM and llama.cpp's server): generate through the model's stop
     # tokens, up to max_tokens (stop strings and grammars still end a choice). For benchmarks.

@@ -8,6 +8,7 @@ Runs on a worker thread (it tokenizes); knows the model and tokenizer, not HTTP.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -106,7 +107,7 @@ def prepare_chat(
     _fit_choices([len(prompt)], req.n or 1, model, "messages")
     top = req.top_logprobs or 0
     # The rendered prompt as token ids: the chat inferlet need not render and tokenize it again.
-    job = _job(req, model, [{"tokens": prompt}], len(prompt), max_tokens, bool(req.logprobs), top)
+    job = _job(req, model, tokenizer, [{"tokens": prompt}], len(prompt), max_tokens, bool(req.logprobs), top)
     if grammar is not None:
         job.args["grammar"] = grammar
     return replace(job, tool_call=tool_call) if tool_call else job
@@ -161,7 +162,7 @@ def prepare_completion(
     max_tokens = _fit_context(max(counts), limit, model.kept_context, "prompt")
     _fit_choices(counts, n, model, "prompt")
     logprobs = req.logprobs is not None
-    job = _job(req, model, prompts, sum(counts), max_tokens, logprobs, req.logprobs or 0)
+    job = _job(req, model, tokenizer, prompts, sum(counts), max_tokens, logprobs, req.logprobs or 0)
     if not req.echo:
         return job
     if logprobs:
@@ -172,6 +173,7 @@ def prepare_completion(
 def _job(
     req: ChatCompletionRequest | CompletionRequest,
     model: ModelInfo,
+    tokenizer: Tokenizer,
     prompts: list[dict[str, Any]],
     prompt_tokens: int,
     max_tokens: int,
@@ -192,6 +194,8 @@ def _job(
     if req.seed is not None:
         args["seed"] = req.seed
     args.update(_sampler_stages(req, model.vocab_size))
+    if req.dry_multiplier and req.dry_penalty_last_n != 0:
+        args["dry"] = _dry_args(req, tokenizer, model.vocab_size)
     if req.ignore_eos:
         args["ignore_eos"] = True
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -304,6 +308,39 @@ def _sampler_stages(req: ChatCompletionRequest | CompletionRequest, vocab_size: 
             bias[str(token)] = float(value)
         args["logit_bias"] = bias
     return args
+
+
+# llama.cpp's default DRY sequence breakers.
+DRY_BREAKERS = ("\n", ":", '"', "*")
+
+
+def _dry_args(req: ChatCompletionRequest | CompletionRequest, tokenizer: Tokenizer, vocab_size: int) -> dict[str, Any]:
+    """llama.cpp's DRY parameters as the chat inferlet's `dry` argument: its defaults where a
+    parameter is absent, and each sequence breaker turned into the tokens whose text holds it."""
+    breakers = DRY_BREAKERS if req.dry_sequence_breakers is None else tuple(req.dry_sequence_breakers)
+    last_n = req.dry_penalty_last_n
+    return {
+        "multiplier": float(req.dry_multiplier or 0.0),
+        "base": 1.75 if req.dry_base is None else float(req.dry_base),
+        "allowed_length": 2 if req.dry_allowed_length is None else req.dry_allowed_length,
+        "last_n": 0 if last_n is None or last_n < 0 else last_n,
+        "breakers": breaker_tokens(tokenizer, vocab_size, breakers),
+    }
+
+
+_token_texts: dict[int, tuple[Any, list[str]]] = {}  # id(tokenizer) -> (tokenizer, each token's text)
+_token_texts_lock = threading.Lock()
+
+
+def breaker_tokens(tokenizer: Tokenizer, vocab_size: int, breakers: tuple[str, ...]) -> list[int]:
+    """The tokens whose text holds one of `breakers` (each token decoded once per tokenizer)."""
+    with _token_texts_lock:
+        held = _token_texts.get(id(tokenizer))
+        if held is None or held[0] is not tokenizer:
+            texts = [tokenizer.decode([i]) for i in range(vocab_size)]
+            _token_texts.clear()  # one model at a time: the last tokenizer's texts only
+            held = _token_texts[id(tokenizer)] = (tokenizer, texts)
+    return [i for i, text in enumerate(held[1]) if any(b in text for b in breakers)]
 
 
 def _check_schema(schema: dict[str, Any], param: str) -> None:

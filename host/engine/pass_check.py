@@ -36,7 +36,7 @@ MAX_LOGIT_BIAS = 1024
 
 def _check_chain(s: Sampler, h: Handshake) -> None:
     """The sampler chain's stages: a driver that runs them, finite values, a repetition penalty
-    > 0, a bias of distinct tokens of the vocabulary in rising order."""
+    > 0, a bias of distinct tokens of the vocabulary in rising order, DRY's breakers tokens of it."""
     if SAMPLER_CHAIN not in h.capabilities:
         raise InvalidRequest(f"the {h.driver_kind} driver does not run sampler chains (penalties, logit bias, filters)")
     penalties = (s.repetition_penalty, s.presence_penalty, s.frequency_penalty)
@@ -55,6 +55,18 @@ def _check_chain(s: Sampler, h: Handshake) -> None:
         raise InvalidRequest(
             "filters out of range: typical_p in (0, 1], top_n_sigma >= 0, xtc in [0, 1], "
             "mirostat tau >= 0 and eta in [0, 1]"
+        )
+    if s.has_dry and not (
+        0 <= s.dry_multiplier < math.inf
+        and 1 <= s.dry_base < math.inf
+        and s.dry_allowed_length >= 0
+        and s.dry_last_n >= 0
+        and len(s.dry_breakers) <= MAX_LOGIT_BIAS
+        and all(0 <= t < h.vocab_size for t in s.dry_breakers)
+    ):
+        raise InvalidRequest(
+            f"DRY out of range: multiplier >= 0, base >= 1, allowed length and last n >= 0, at most "
+            f"{MAX_LOGIT_BIAS} breakers, each a token of [0, {h.vocab_size})"
         )
     if len(s.logit_bias) > MAX_LOGIT_BIAS:
         raise InvalidRequest(f"a logit bias has at most {MAX_LOGIT_BIAS} tokens, got {len(s.logit_bias)}")

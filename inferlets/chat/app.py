@@ -12,6 +12,7 @@ import json
 from componentize_py_types import Err
 from decoding import Branch, StopMatcher, Utf8Decoder
 from inferlet import (
+    DRY,
     XTC,
     Chain,
     Context,
@@ -66,6 +67,9 @@ def _sampler(req: dict, branch_index: int, prompt_length: int) -> Greedy | Rando
     presence, frequency = float(req.get("presence_penalty", 0.0)), float(req.get("frequency_penalty", 0.0))
     if repetition != 1.0 or presence or frequency:
         stages.append(Penalties(repetition, presence, frequency, since=prompt_length))
+    if "dry" in req:  # llama.cpp's DRY; the daemon has turned its breaker strings into token ids
+        d = req["dry"]
+        stages.append(DRY(d["multiplier"], d["base"], d["allowed_length"], d["last_n"], tuple(d["breakers"])))
     filters = []
     if float(req.get("typical_p", 1.0)) != 1.0:
         filters.append(Typical(float(req["typical_p"])))

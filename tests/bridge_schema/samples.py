@@ -59,6 +59,8 @@ def sample_forward() -> Message:
                             typical_p=0.9,
                             xtc_probability=0.5,
                             mirostat_tau=5.0,
+                            dry_multiplier=0.8,
+                            dry_breakers=(10, 13),
                         ),
                     )
                 ],

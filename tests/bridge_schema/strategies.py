@@ -83,6 +83,11 @@ def sampler(draw: st.DrawFn) -> Sampler:
             xtc_threshold=draw(st.floats(0.0, 1.0, width=32)),
             mirostat_tau=draw(st.floats(0.0, 10.0, width=32)),
             mirostat_eta=draw(st.floats(0.0, 1.0, width=32)),
+            dry_multiplier=draw(st.floats(0.0, 2.0, width=32)),
+            dry_base=draw(st.floats(1.0, 3.0, width=32)),
+            dry_allowed_length=draw(st.integers(0, 8)),
+            dry_last_n=draw(st.integers(0, 64)),
+            dry_breakers=tuple(draw(st.lists(st.integers(0, 259), max_size=3))),
         )
     return base
 

@@ -18,6 +18,7 @@ from drivers.multistep import run_steps
 from drivers.sampler_chain import (
     Filters,
     SlotTokens,
+    _dry_repeats,
     apply_chain_np,
     penalty_entries,
     sample_row_np,
@@ -280,3 +281,64 @@ def test_mirostat_state_follows_the_slots_on_the_dummy() -> None:
     # Rewriting the slots from the prompt on starts mu afresh.
     again = _tokens(driver, [_request([1, 2, *said[:2]], [0], 4, s)])
     assert again == [step(2 * tau, 3)[0]] and table.mu[3] == pytest.approx(step(2 * tau, 3)[1])
+
+
+def _dry_brute(window: list[int], breakers: set[int]) -> list[int]:
+    """DRY's repeat lengths by its definition, one position at a time."""
+    n = len(window)
+    cut = [i for i, t in enumerate(window) if t < 0 or t in breakers]
+    limit = n - 1 - cut[-1] if cut else n
+    lengths = []
+    for e in range(n - 1):
+        k = 0
+        while k < limit and e - k >= 0 and window[e - k] == window[n - 1 - k]:
+            k += 1
+        lengths.append(k)
+    return lengths
+
+
+def test_dry_repeat_lengths_equal_their_definition() -> None:
+    rng = np.random.default_rng(7)
+    for trial in range(300):
+        window = rng.integers(-1 if trial % 5 == 0 else 0, 3, size=int(rng.integers(0, 40))).tolist()
+        breakers = {2} if trial % 3 == 0 else set()
+        got = _dry_repeats(np.array(window, dtype=np.int64), np.array(sorted(breakers), dtype=np.int64))
+        assert got.tolist() == _dry_brute(window, breakers), (window, breakers)
+
+
+def test_dry_rule() -> None:
+    table = SlotTokens(num_pages=4, page_size=PS)
+    tokens = [A, B, C, 9, A, B, C, 9, A, B]  # "a b" ends it and was followed by c twice
+    logits = np.zeros((1, 260), dtype=np.float32)
+    # c follows "b" twice: after slot 1 (a repeat of 2: "a b") and after slot 5, where the run
+    # "a b c 9 a b" equals the tail's: 6 tokens. c takes the longer.
+    for allowed in (2, 4, 6, 7):
+        s = _penalties(dry_multiplier=2.0, dry_base=1.5, dry_allowed_length=allowed)
+        f = build_forward(1, [_request(tokens, [0, 1, 2], 10, s)])
+        table.write(f)
+        out = apply_chain_np(logits, f, table)[0]
+        expect = 2.0 * 1.5 ** (6 - allowed) if allowed <= 6 else 0.0
+        assert out[C] == pytest.approx(-expect) and np.count_nonzero(out) == (1 if expect else 0), allowed
+    s = _penalties(dry_multiplier=2.0, dry_base=1.5, dry_allowed_length=2, dry_breakers=(9,))
+    f = build_forward(1, [_request(tokens, [0, 1, 2], 10, s)])
+    table.write(f)
+    out = apply_chain_np(logits, f, table)[0]
+    assert out[C] == pytest.approx(-2.0)  # the breaker 9 limits the repeat to "a b": 1.5 ** 0
+    s = _penalties(dry_multiplier=2.0, dry_base=1.5, dry_allowed_length=2, dry_last_n=5)
+    f = build_forward(1, [_request(tokens, [0, 1, 2], 10, s)])
+    table.write(f)
+    assert np.count_nonzero(apply_chain_np(logits, f, table)[0]) == 0  # "b c 9 a b": b repeats 1 < 2
+
+
+def test_dry_steers_the_dummy_alone_and_in_multi_step() -> None:
+    driver = _dummy(logits=((A, 3.0), (B, 2.9), (C, 2.8)))
+    dry = _penalties(dry_multiplier=1.0, dry_base=2.0, dry_allowed_length=1)
+    said: list[int] = []
+    for step in range(6):
+        tokens = [0, *said]
+        pages = list(range((len(tokens) + PS - 1) // PS))
+        said += _tokens(driver, [_request(tokens, pages, len(tokens), dry, context_id=step + 10)])
+    assert said != [A] * 6 and said[:2] == [A, A]  # the second a starts a repeat: DRY steps in
+    spec = RequestSpec(5, [0], [0], [8, 9], 4, [OutputSpec(j, dry) for j in range(6)], steps=6)
+    f = build_forward(2, [spec])
+    assert run_steps(driver.forward, f, PS).tokens.tolist() == said

@@ -247,7 +247,7 @@ def test_a_context_sees_its_pages_and_the_context_length(inferlet_runner: Inferl
 def test_sampler_chains_through_every_sdk_path(inferlet_runner: InferletRunner) -> None:
     """The dummy's scripted logits make each chain's greedy text exact (a 3, b 2.6, c 2.2):
     a presence penalty of 1 gives a, b, c, then a for good; a frequency penalty of 0.5 a, b, a,
-    c, b; a +100 bias forces its token; a mask and the chain compose."""
+    c, b; a +100 bias forces its token; a mask and the chain compose; DRY breaks a's repeats."""
     result = inferlet_runner.run(str(HERE / "inferlets" / "chains"))
     assert result.ok, result.error
     lines = result.output.splitlines()
@@ -262,6 +262,7 @@ def test_sampler_chains_through_every_sdk_path(inferlet_runner: InferletRunner) 
         "complete abacb",
         "decode_steps abc|zzz",
         "masked bcb",
+        "dry aaabaaca",  # DRY through the one-call decode (tests/host/daemon/test_sampling_params.py)
     ]
     xtc = lines[-1]
     assert xtc.startswith("xtc ") and set(xtc[4:]) <= {"b", "c"} and len(xtc) == 10

@@ -222,6 +222,7 @@ CHAINS = {
     "frequency": {"frequency_penalty": 0.5, "penalty_last_n": 6},
     "windows": {"frequency_penalty": 0.7, "repetition_penalty": 1.2, "repetition_from": 1, "penalty_from": 2},
     "mirostat": {"mirostat_tau": 7.9, "mirostat_eta": 0.5},
+    "dry": {"dry_multiplier": 0.8, "dry_allowed_length": 1, "dry_breakers": (10,)},
 }
 
 

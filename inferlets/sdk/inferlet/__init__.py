@@ -34,6 +34,7 @@ from inferlet.grammar import Grammar, GrammarError, Matcher
 from inferlet.model import ChatMessage, ModelInfo, detokenize, model_info, render_chat, tokenize
 from inferlet.runtime import args, emit, log, receive, run_id, send
 from inferlet.sampling import (
+    DRY,
     XTC,
     Chain,
     Greedy,
@@ -52,6 +53,7 @@ from inferlet.sampling import (
 from inferlet.text import TextDecoder
 
 __all__ = [
+    "DRY",
     "XTC",
     "Adapter",
     "AdapterError",

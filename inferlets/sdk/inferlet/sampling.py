@@ -43,7 +43,7 @@ class Random:
         return _inf.Sampler(_inf.SamplerKind.RANDOM, self.temperature, self.top_k, self.top_p, self.min_p, self.seed)
 
 
-_Stages = tuple[list[tuple[int, float]], "_inf.Penalties | None", "_inf.Filters | None"]
+_Stages = tuple[list[tuple[int, float]], "_inf.Penalties | None", "_inf.Filters | None", "_inf.Dry | None"]
 
 
 @dataclass(frozen=True)
@@ -93,14 +93,42 @@ class LogitBias:
         return hash(tuple(sorted(self.bias.items())))
 
 
+@dataclass(frozen=True)
+class DRY:
+    """llama.cpp's "don't repeat yourself", applied in the driver after the penalties: a token
+    that would continue a run already seen in the context, at least `allowed_length` tokens
+    long, loses `multiplier * base ** (length - allowed_length)` of its logit. A run never
+    reaches back past a token of `breakers` (token ids: e.g. those of newlines and quotes);
+    `last_n` > 0 looks at the last n slots only. `multiplier` 0 is off."""
+
+    multiplier: float = 0.8
+    base: float = 1.75
+    allowed_length: int = 2
+    last_n: int = 0
+    breakers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        need(self.multiplier, (float, int), "DRY's multiplier")
+        need(self.base, (float, int), "DRY's base")
+        need(self.allowed_length, int, "DRY's allowed_length")
+        need(self.last_n, int, "DRY's last_n")
+        for token in self.breakers:
+            need(token, int, "a DRY breaker")
+        if not (self.multiplier >= 0 and self.base >= 1 and self.allowed_length >= 0 and self.last_n >= 0):
+            raise ValueError("DRY needs multiplier >= 0, base >= 1, allowed_length >= 0 and last_n >= 0")
+
+    def to_wit(self) -> _inf.Dry:
+        return _inf.Dry(self.multiplier, self.base, self.allowed_length, self.last_n, list(self.breakers))
+
+
 @dataclass(frozen=True, init=False)
 class Chain:
     """Samplers that compose: stages the driver applies to a row's logits, then the draw, e.g.
     `Chain(Penalties(frequency=0.5), TopK(40), MinP(0.05), Temperature(0.8), seed=7)`. Stages:
-    `LogitBias`, `Penalties`, `Temperature`, `TopNSigma`, `TopK`, `TopP`, `MinP`, `Typical`,
+    `LogitBias`, `Penalties`, `DRY`, `Temperature`, `TopNSigma`, `TopK`, `TopP`, `MinP`, `Typical`,
     `XTC`, `Mirostat`, and `Greedy()` for the most likely token instead of a random draw (which
     the filters then do not narrow). The driver runs them in one fixed order whatever the order
-    given: logit bias, penalties, the logit mask, temperature, top-n-sigma, top-k, top-p, min-p,
+    given: logit bias, penalties, DRY, the logit mask, temperature, top-n-sigma, top-k, top-p, min-p,
     typical, XTC, Mirostat, the draw; so `Chain(Temperature(t), TopK(k))` and `Chain(TopK(k), Temperature(t))` are
     the same sampler.
     Everything runs in the driver, batched over rows and pre-fired by the speculator like a
@@ -111,7 +139,7 @@ class Chain:
 
     def __init__(self, *stages: object, seed: int = -1) -> None:
         need(seed, int, "Chain's seed")
-        kinds = (LogitBias, Penalties, Temperature, TopK, TopP, MinP, Typical, TopNSigma, XTC, Mirostat, Greedy)
+        kinds = (LogitBias, Penalties, DRY, Temperature, TopK, TopP, MinP, Typical, TopNSigma, XTC, Mirostat, Greedy)
         for stage in stages:
             if not isinstance(stage, kinds):
                 raise TypeError(f"a Chain stage is one of {', '.join(k.__name__ for k in kinds)}, not {stage!r}")
@@ -159,11 +187,13 @@ class Chain:
                 mirostat.tau if isinstance(mirostat, Mirostat) else 0.0,
                 mirostat.eta if isinstance(mirostat, Mirostat) else 0.1,
             )
-        if bias is None and penalties is None and filters is None:
+        dry = self._get(DRY, None)
+        if bias is None and penalties is None and filters is None and dry is None:
             return None
         pairs = sorted(bias.bias.items()) if isinstance(bias, LogitBias) else []
         wit_penalties = penalties.to_wit() if isinstance(penalties, Penalties) else None
-        return [(int(t), float(v)) for t, v in pairs], wit_penalties, filters
+        wit_dry = dry.to_wit() if isinstance(dry, DRY) else None
+        return [(int(t), float(v)) for t, v in pairs], wit_penalties, filters, wit_dry
 
 
 @dataclass(frozen=True)

@@ -188,3 +188,31 @@ def test_mirostat_steps_match_the_reference(driver: TorchDriver) -> None:
         tokens.append(expect)
         spec = request([expect], len(tokens) - 1, pages, PS, sampler=s, context_id=5)
     assert moved  # Mirostat changed at least one draw
+
+
+def test_dry_matches_the_plain_version_in_the_driver(driver: TorchDriver) -> None:
+    """A prompt that repeats itself: DRY's penalty on the token that would continue the repeat,
+    in the torch path and the plain one, on random logits and on the model's own."""
+    loop = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    dry = _chain(Sampler.greedy(), dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=2)
+    specs = [
+        request(loop, 0, range(8), PS, sampler=dry, context_id=1),
+        request(loop, 0, range(8, 16), PS, sampler=_chain(dry, dry_breakers=(6,)), context_id=2),
+        request(loop, 0, range(16, 24), PS, context_id=3),
+    ]
+    f = forward(specs)
+    table = SlotTokens(32, PS)
+    table.write(f)
+    logits = np.random.default_rng(1).standard_normal((3, V)).astype(np.float32)
+    got = apply_chain(torch.from_numpy(logits), f, table).numpy()
+    np.testing.assert_allclose(got, apply_chain_np(logits, f, table), rtol=1e-6)
+    # "5 6" ends the prompt: "5 6 7 8 5 6" was seen, so 7 continues a repeat of 6 (exponent 4).
+    assert got[0, 7] == pytest.approx(logits[0, 7] - 0.8 * 1.75**4, rel=1e-5)
+    assert np.count_nonzero(got[0] != logits[0]) == 1
+    assert np.array_equal(got[1], logits[1]) and np.array_equal(got[2], logits[2])  # 6 breaks it; no DRY
+    forced = _chain(dry, dry_multiplier=50.0)
+    spec = request(loop, 0, range(8), PS, sampler=forced)
+    expect = _reference(driver, [spec])
+    f = forward([spec])
+    token = split_result(f, driver.forward(f))[0][0].token
+    assert token == int(np.argmax(expect)) and token != 7

@@ -29,15 +29,18 @@ def scripted(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield srv
 
 
+DRY_PARAMS = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
+
+
 def _complete(srv: Server, prompt: str = "xyz", **params: object) -> str:
     extensions = ("repetition_penalty", "top_k", "min_p", "typical_p", "top_n_sigma", "xtc_probability")
-    more = ("xtc_threshold", "mirostat", "mirostat_tau", "mirostat_eta")
+    more = ("xtc_threshold", "mirostat", "mirostat_tau", "mirostat_eta", *DRY_PARAMS)
     extra = {k: params.pop(k) for k in (*extensions, *more) if k in params}
     params.setdefault("temperature", 0)
+    params.setdefault("max_tokens", 5)
     response = srv.client().completions.create(
         model="dummy",
         prompt=prompt,
-        max_tokens=5,
         extra_body=extra or None,
         **params,  # type: ignore[arg-type]
     )
@@ -157,3 +160,16 @@ def test_return_tokens_as_token_ids(scripted: Server) -> None:
     assert lp is not None and lp.tokens == [f"token_id:{ord('a')}"] * 2 and lp.text_offset == [0, 1]
     plain = scripted.client().completions.create(model="dummy", prompt="xyz", max_tokens=2, temperature=0, logprobs=1)
     assert plain.choices[0].logprobs.tokens == ["a", "a"]  # type: ignore[union-attr]
+
+
+def test_dry_penalizes_what_would_continue_a_repeat(scripted: Server) -> None:
+    """llama.cpp's DRY, base 2 from a repeat of 2: the third a continues "a a" (a: 3 - 1 < b);
+    later "a a" has been followed by a and b, both drop by 1, and c (2.2) wins."""
+    dry = {"dry_multiplier": 1.0, "dry_base": 2.0, "dry_allowed_length": 2}
+    assert _complete(scripted, max_tokens=8, dry_sequence_breakers=[], **dry) == "aaabaaca"
+    assert _complete(scripted, max_tokens=8, **dry) == "aaabaaca"  # llama.cpp's breakers are not in it
+    assert _complete(scripted, max_tokens=8, dry_sequence_breakers=["a"], **dry) == "aaaaaaaa"  # a ends runs
+    assert _complete(scripted, max_tokens=8, dry_penalty_last_n=0, **dry) == "aaaaaaaa"  # 0: off
+    assert _complete(scripted, max_tokens=8, dry_penalty_last_n=2, **dry) == "aaaaaaaa"  # too short a window
+    with pytest.raises(openai.BadRequestError, match="dry_base"):
+        _complete(scripted, dry_multiplier=1.0, dry_base=0.5)

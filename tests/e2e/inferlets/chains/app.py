@@ -2,6 +2,7 @@
 per path: the tokens' text."""
 
 from inferlet import (
+    DRY,
     XTC,
     Chain,
     Context,
@@ -42,6 +43,10 @@ def main(args: list[str]) -> None:
         ctx.fill("xyz")
         mask = LogitMask.forbid([ord("a")], info.vocab_size)
         emit("masked " + detokenize([ctx.decode_step(no_repeat, logit_mask=mask) for _ in range(3)]) + "\n")
+    with Context() as ctx:
+        ctx.fill("xyz")
+        dry = Chain(DRY(1.0, 2.0, 2), Greedy())
+        emit("dry " + detokenize([ctx.decode_step(dry) for _ in range(8)]) + "\n")
     with Context() as ctx:
         ctx.fill("xyz")
         # At temperature 0.3 a is 74% likely, b 20%: XTC at 0.15 leaves b and c of the top three.

@@ -5,20 +5,25 @@ corpus (tests/data/jsonschemas)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx2 as httpx
 import jsonschema
 import openai
 import pytest
 import uvicorn
 
+from drivers.torch.weights.gguf_loader import smollm2_path
+from host.cli.commands import build_parser
 from host.daemon.app import create_app
-from host.daemon.config import load_config
+from host.daemon.cli import config_of
 from host.daemon.daemon import Daemon
 from host.sandbox.config import default_cache_dir
 from tests.host.daemon.conftest import _free_port
@@ -44,19 +49,17 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    config = load_config(
-        {
-            "host": "127.0.0.1",
-            "port": _free_port(),
-            "driver": "torch",
-            "driver_args": ["--threads", "1", "--dtype", "float32"],
-            "cache_dir": str(default_cache_dir()),
-            "data_dir": str(tmp_path_factory.mktemp("daemon-smollm2")),
-            "log_level": "warning",
-        },
-        environ={},
-    )
+def client(tmp_path_factory: pytest.TempPathFactory, monkeypatch_module: pytest.MonkeyPatch) -> Iterator[openai.OpenAI]:
+    """`wafer serve path/to/model.gguf`, as a user types it: the model file as the argument (it
+    implies the torch driver) and the name clients call it by."""
+    for key in [k for k in os.environ if k.startswith("WAFER_")]:
+        monkeypatch_module.delenv(key)
+    parser, _ = build_parser()
+    argv = ["serve", str(smollm2_path()), "--served-model-name", MODEL, "--port", str(_free_port())]
+    argv += ["--driver-arg=--threads", "--driver-arg=1", "--driver-arg=--dtype", "--driver-arg=float32"]
+    argv += ["--data-dir", str(tmp_path_factory.mktemp("daemon-smollm2")), "--log-level", "warning"]
+    config = dataclasses.replace(config_of(parser.parse_args(argv)), cache_dir=default_cache_dir())
+    assert config.replica_drivers == ("torch",) and config.driver_argv[:2] == ("--model", str(smollm2_path()))
     daemon = Daemon(config)
     server = uvicorn.Server(
         uvicorn.Config(create_app(config, daemon), host=config.host, port=config.port, log_config=None)
@@ -65,17 +68,23 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     thread.start()
     with openai.OpenAI(api_key="none", base_url=f"{config.url}/v1", max_retries=0, timeout=300.0) as c:
         deadline = time.monotonic() + 300
-        while True:  # the first requests wait while SmolLM2 loads
+        while True:  # ready once /health says so: SmolLM2 loads first
             try:
-                c.models.list()
-                break
-            except openai.APIError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
+                if httpx.get(f"{config.url}/health", timeout=10).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the daemon did not get ready"
+            time.sleep(0.5)
         yield c
     server.should_exit = True
     thread.join(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
 
 
 def ask(client: openai.OpenAI, content: str, **kw: Any) -> Any:
@@ -85,6 +94,7 @@ def ask(client: openai.OpenAI, content: str, **kw: Any) -> Any:
 
 
 def test_answers_and_streams_the_same(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == [MODEL]
     resp = ask(client, "What is the capital of France?", max_tokens=20)
     assert "Paris" in (resp.choices[0].message.content or "")
     stream = ask(client, "What is the capital of France?", max_tokens=20, stream=True)

@@ -19,6 +19,7 @@ from prometheus_client import Histogram
 
 from host.daemon.config import DaemonConfig
 from host.daemon.console import OPEN_PATHS as CONSOLE_PATHS
+from host.daemon.console import STATE_PATH as CONSOLE_STATE_PATH
 from host.daemon.errors import ApiError, Forbidden, PayloadTooLarge, Unauthorized
 from host.daemon.logs import request_id_var
 from host.daemon.messages_render import anthropic_envelope, speaks_anthropic
@@ -92,7 +93,8 @@ class EdgeMiddleware:
                 await send_error(send, refusal, request_id, path)
                 return
             # Who is asking, for run ownership: a digest of the key, never the key itself.
-            scope.setdefault("state", {})["key_id"] = self._key_id(_given_key(headers))
+            given_key = _given_key(headers)
+            scope.setdefault("state", {})["key_id"] = self._key_id(given_key) if given_key or not self._keys else ""
             await self._app(scope, self._limited(receive, path), send_with_id)
         except PayloadTooLarge:
             if status[0] == 0:  # nothing sent yet: the client gets its 413
@@ -122,7 +124,9 @@ class EdgeMiddleware:
         return self._config.max_upload_bytes if path == UPLOAD_PATH else self._config.max_request_bytes
 
     def _refusal(self, path: str, headers: dict[str, str]) -> ApiError | None:
-        if path in _OPEN_PATHS or path in CONSOLE_PATHS:  # the console's page: its live state needs a key
+        if path in _OPEN_PATHS or path in CONSOLE_PATHS:  # the console's page and files
+            return None
+        if path == CONSOLE_STATE_PATH and not _given_key(headers):  # engine-wide only, as /metrics
             return None
         is_code = path.startswith(_CODE_PREFIXES)
         if is_code and not self._keys:

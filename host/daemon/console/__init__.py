@@ -2,6 +2,6 @@
 build step) that polls `/dashboard/state` for live runs, engine rates and replicas, and starts
 and follows runs through the run API."""
 
-from host.daemon.console.routes import OPEN_PATHS, router
+from host.daemon.console.routes import OPEN_PATHS, STATE_PATH, router
 
-__all__ = ["OPEN_PATHS", "router"]
+__all__ = ["OPEN_PATHS", "STATE_PATH", "router"]

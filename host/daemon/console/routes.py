@@ -1,6 +1,6 @@
 """The console's endpoints: the page and its two static files (open: they hold nothing live),
-and its live state, which the edge middleware guards like every other endpoint (a key when keys
-are configured, and then only that key's runs)."""
+and its live state: with keys configured, a key's own runs, or without a key the engine-wide
+view alone (rates, KV usage, replicas: what /metrics shows anyone), never another key's runs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import anyio.to_thread
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from host.daemon.console.state import Sampler, console_state
+from host.daemon.console.state import ANONYMOUS, Sampler, console_state
 from host.daemon.http_util import daemon_of, key_id_of
 
 router = APIRouter(tags=["console"])
@@ -59,7 +59,10 @@ async def state(request: Request) -> JSONResponse:
     sampler = getattr(request.app.state, "console_sampler", None)
     if sampler is None:  # one per app; created on the event loop, so once
         sampler = request.app.state.console_sampler = Sampler(daemon)
-    # With keys configured every request carries one (the middleware refuses it otherwise).
-    owner = key_id_of(request) if daemon.config.api_keys else None
+    # With keys configured: a valid key's runs (the middleware refuses a wrong key), or with no
+    # key at all the engine-wide view alone (what /metrics shows anyone), no run of any key.
+    owner: str | None = None
+    if daemon.config.api_keys:
+        owner = key_id_of(request) or ANONYMOUS
     body: dict[str, Any] = await anyio.to_thread.run_sync(console_state, daemon, sampler, owner)
     return JSONResponse(body, headers={"Cache-Control": "no-store"})

@@ -18,6 +18,8 @@ from host.daemon.replica_set import AnyEngine
 from host.daemon.runs import RunRecord, RunState
 from host.daemon.supervisor import DriverState, DriverStatus
 
+# The owner of a request with no key when keys are configured: it sees no run at all.
+ANONYMOUS = "\0anonymous"
 SAMPLE_INTERVAL_S = 0.5  # however many consoles poll, the driver is asked for its counters at most this often
 MAX_GAP_S = 5.0  # a reading older than this (nobody looked meanwhile) starts the rates afresh
 HISTORY_POINTS = 120  # per sparkline
@@ -145,20 +147,24 @@ class Sampler:
 
 
 def console_state(daemon: Daemon, sampler: Sampler, owner: str | None) -> dict[str, Any]:
-    """The console's view: `owner` is the asking key's digest (only its runs), or None when the
-    daemon has no keys (every run)."""
+    """The console's view: `owner` is the asking key's digest (only its runs), None when the
+    daemon has no keys (every run), or ANONYMOUS (keys configured, none given: no runs)."""
     rates, history = sampler.sample()
     engine = daemon.live_engine()
     status = daemon.supervisor.status()
+    if owner == ANONYMOUS:
+        scope, runs = "engine", {"running": None, "ended": {}, "items": []}
+    else:
+        scope, runs = ("all" if owner is None else "key"), _runs(daemon.runs.list(owner=owner), engine)
     return {
         "now": time.time(),
-        "scope": "all" if owner is None else "key",
-        "key": (owner or "")[:KEY_ID_SHOWN],
+        "scope": scope,
+        "key": (owner if owner != ANONYMOUS else "")[:KEY_ID_SHOWN] if owner else "",
         "model": engine.model.name if engine is not None else None,
         "driver": _driver(status),
         "engine": _engine(engine, rates),
         "history": _history(history),
-        "runs": _runs(daemon.runs.list(owner=owner), engine),
+        "runs": runs,
         "replicas": _replicas(daemon),
     }
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import hashlib
+import json
 import re
 import time
 import tomllib
@@ -106,12 +107,20 @@ def test_the_page_and_its_files_load_without_a_key(roomy: Server) -> None:
         assert "@import" not in css.text and "url(" not in css.text
 
 
-def test_the_state_needs_a_valid_key(roomy: Server) -> None:
+def test_without_a_key_the_state_is_the_engines_alone(roomy: Server, two_tenants: tuple[int, int]) -> None:
+    """With keys configured, no key gets what /metrics shows anyone (rates, KV usage,
+    replicas), no run of any key, not even a count; a wrong key is a 401."""
     with roomy.http(key=None) as http:
+        state = http.get(STATE)
+        assert state.status_code == 200, state.text
+        body = state.json()
+    assert body["scope"] == "engine" and body["key"] == ""
+    assert body["runs"] == {"running": None, "ended": {}, "items": []}
+    assert body["driver"]["state"] == "ready" and body["replicas"] and "kv_usage" in body["engine"]
+    assert all(str(run_id) not in json.dumps(body["runs"]) for run_id in two_tenants)
+    with roomy.http(key="not-a-key") as http:
         refused = http.get(STATE)
         assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
-    with roomy.http(key="not-a-key") as http:
-        assert http.get(STATE).status_code == 401
     with roomy.http() as http:
         # The files beside the page are open; nothing else under /dashboard is.
         assert http.get("/dashboard/other").status_code == 404

@@ -96,9 +96,15 @@ function render(state) {
   setMetric("pass_ms", fmt(engine.pass_ms, 2));
   setMetric("itl_ms", fmt(engine.itl_ms, 2));
   setMetric("ttft_ms", fmt(engine.ttft_ms, 1));
-  setMetric("runs_running", String(state.runs.running));
-  setMetric("runs_ended", String(Object.values(state.runs.ended).reduce((a, b) => a + b, 0)));
-  $("scope").textContent = state.scope === "key" ? "runs of key " + state.key : "all runs (no API keys)";
+  const engineOnly = state.scope === "engine";
+  setMetric("runs_running", engineOnly ? "–" : String(state.runs.running));
+  setMetric("runs_ended", engineOnly ? "–" : String(Object.values(state.runs.ended).reduce((a, b) => a + b, 0)));
+  $("scope").textContent = {
+    key: "runs of key " + state.key,
+    all: "all runs (no API keys)",
+    engine: "engine only: give an API key to see your runs",
+  }[state.scope];
+  $("key-open").hidden = !engineOnly;
   for (const svg of document.querySelectorAll("svg[data-series]")) {
     drawSpark(svg, state.history[svg.dataset.series] || []);
   }
@@ -371,6 +377,7 @@ function start() {
     poll();
     loadInferlets();
   });
+  $("key-open").addEventListener("click", () => showKeyForm(""));
   $("forget-key").addEventListener("click", () => {
     sessionStorage.removeItem(KEY_ITEM);
     location.reload();

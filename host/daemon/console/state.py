@@ -152,6 +152,7 @@ def console_state(daemon: Daemon, sampler: Sampler, owner: str | None) -> dict[s
     rates, history = sampler.sample()
     engine = daemon.live_engine()
     status = daemon.supervisor.status()
+    runs: dict[str, Any]
     if owner == ANONYMOUS:
         scope, runs = "engine", {"running": None, "ended": {}, "items": []}
     else:

@@ -134,13 +134,14 @@ def main(argv: list[str] | None = None) -> None:
             driver.close()
 
 
-def _load(model: str) -> Checkpoint:
-    """The checkpoint `model` names; a file that cannot be read as one (truncated, malformed, not a
-    checkpoint at all) is one ConfigRejected line naming it, not a traceback."""
+def _load(model: str, int8_dtype: torch.dtype | None = None) -> Checkpoint:
+    """The checkpoint `model` names (`int8_dtype`: see `load_checkpoint`); a file that cannot be
+    read as one (truncated, malformed, not a checkpoint at all) is one ConfigRejected line naming
+    it, not a traceback."""
     if model != "smollm2" and not Path(model).exists():
         raise ConfigRejected(f"{model}: no such file or directory", "model")
     try:
-        return load_checkpoint(model)
+        return load_checkpoint(model, int8_dtype=int8_dtype)
     except ConfigRejected:
         raise
     except Exception as exc:  # any failure to parse a user's file is that file's fault
@@ -154,7 +155,9 @@ def _load(model: str) -> Checkpoint:
 
 
 def _build(args: argparse.Namespace, options: DriverOptions, argv: list[str]) -> TorchDriver | TensorParallelDriver:
-    ckpt = _load(args.model)
+    # On one rank a GGUF's projections go straight into int8; a tensor-parallel group shards floats.
+    streamed = options.weights != "dense" and args.tensor_parallel == 1
+    ckpt = _load(args.model, DTYPES[options.dtype] if streamed else None)
     if args.tensor_parallel == 1:
         return TorchDriver(ckpt, options)
     check_options(ckpt, options, args.tensor_parallel)  # before any rank starts

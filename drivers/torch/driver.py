@@ -91,24 +91,35 @@ class DriverOptions:
 
 
 def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> Transformer:
-    """The model with the checkpoint's weights; every parameter must be present, none left over."""
+    """The model with the checkpoint's weights; every parameter must be present, none left over.
+    The projections of a checkpoint streamed for int8 (`ckpt.int8`) stay on the meta device, for
+    `quantize_int8` to fill from the file."""
     with torch.device("meta"):
         model = Transformer(ckpt.cfg)
     state = dict(ckpt.state)
     if ckpt.cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
+    streamed = set() if ckpt.int8 is None else set(ckpt.int8.spans)
     expected = set(model.state_dict())
-    missing, unexpected = expected - set(state), set(state) - expected
+    missing, unexpected = expected - set(state) - streamed, (set(state) | streamed) - expected
     if missing or unexpected:
         raise ConfigRejected(
             f"checkpoint does not fit the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}",
             "model",
         )
-    model.load_state_dict(state, assign=True)
-    # RoPE buffers were created on the meta device: compute them for real, after the dtype cast,
-    # because bf16 inverse frequencies would misplace every rotation at long positions.
-    model.inv_freq = model.inv_freq_local = torch.empty(0)
-    model = model.to(device=device, dtype=dtype).eval()
+    if ckpt.int8 is not None:
+        if ckpt.int8.dtype != dtype:
+            raise ConfigRejected(f"the checkpoint was streamed for {ckpt.int8.dtype} activations, not {dtype}", "dtype")
+        # What `model.to` does to a loaded model, done to the loaded tensors (meta ones cannot move).
+        moved = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+        model.load_state_dict(moved, assign=True, strict=False)
+        model.eval()
+    else:
+        model.load_state_dict(state, assign=True)
+        # RoPE buffers were created on the meta device: compute them for real, after the dtype cast,
+        # because bf16 inverse frequencies would misplace every rotation at long positions.
+        model.inv_freq = model.inv_freq_local = torch.empty(0)
+        model = model.to(device=device, dtype=dtype).eval()
     inv_freq, inv_freq_local = model_inv_freqs(ckpt.cfg)
     model.inv_freq, model.inv_freq_local = inv_freq.to(device), inv_freq_local.to(device)
     return model
@@ -128,14 +139,20 @@ class TorchDriver:
         self.kv_dtype = DTYPES[options.kv_dtype or options.dtype]
         if self.kv_dtype != self.dtype and self.device.type != "cpu":
             raise ConfigRejected("a KV dtype other than the model's is implemented for the CPU only", "kv_dtype")
+        if ckpt.int8 is not None and options.weights == "dense":
+            raise ConfigRejected("the checkpoint was loaded for int8 weights (no float projections)", "weights")
         self.model = fuse_projections(build_model(ckpt, self.device, self.dtype))
         if options.weights == "w8a8" and options.smooth:
-            if reason := cannot_smooth(self.cfg):
+            if ckpt.int8 is not None:
+                # Smoothing needs the whole float model for its calibration pass.
+                log.info("w8a8 weights streamed from the GGUF file are not smoothed")
+            elif reason := cannot_smooth(self.cfg):
                 log.info("w8a8 weights are not smoothed (smoothing does not take %s)", reason)
             else:
                 self.model = smooth(self.model, calibration_tokens(ckpt.tokenizer, ckpt.cfg.vocab_size))
         if options.weights != "dense":
-            self.model = quantize_int8(self.model, options.weights, options.w8a8_kernel, options.pack_weights)
+            rows = None if ckpt.int8 is None else ckpt.int8.int8_rows
+            self.model = quantize_int8(self.model, options.weights, options.w8a8_kernel, options.pack_weights, rows)
         elif self.device.type == "cpu" and self.dtype == torch.float32:
             self.model = transpose_linears(self.model, options.f32_kernel and cpu_kernels.load())
         # The Triton and C++ attention kernels have no logit soft cap: such models attend in torch.

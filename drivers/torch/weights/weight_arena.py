@@ -38,18 +38,24 @@ def allocate(size_bytes: int) -> tuple[torch.Tensor, bool]:
     return whole[start : start + size_bytes], True
 
 
-def pack(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
-    """Contiguous copies of `tensors` (int8, CPU) laid out one after the other (each start
-    aligned to 64 bytes) in one `allocate`d buffer, and whether it is on huge pages."""
-    assert all(t.dtype == torch.int8 and t.device.type == "cpu" for t in tensors), "int8 CPU tensors only"
+def slots(sizes: list[int]) -> tuple[list[torch.Tensor], bool]:
+    """Int8 views of `sizes` bytes laid out one after the other (each start aligned to 64 bytes)
+    in one `allocate`d buffer, and whether it is on huge pages. A slot's pages are allocated when
+    first written, so filling the slots one by one (freeing each source as it is copied) never
+    holds two copies of the whole."""
     offsets, size = [], 0
-    for t in tensors:
+    for n in sizes:
         offsets.append(size)
-        size += _round_up(t.numel(), ALIGN_BYTES)
+        size += _round_up(n, ALIGN_BYTES)
     buffer, huge = allocate(size)
-    views = []
-    for t, offset in zip(tensors, offsets, strict=True):
-        view = buffer[offset : offset + t.numel()].view(t.shape)
-        view.copy_(t)
-        views.append(view)
+    return [buffer[offset : offset + n] for offset, n in zip(offsets, sizes, strict=True)], huge
+
+
+def pack(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
+    """Contiguous copies of `tensors` (int8, CPU) in `slots`, and whether they are on huge pages."""
+    assert all(t.dtype == torch.int8 and t.device.type == "cpu" for t in tensors), "int8 CPU tensors only"
+    views, huge = slots([t.numel() for t in tensors])
+    for i, t in enumerate(tensors):
+        views[i] = views[i].view(t.shape)
+        views[i].copy_(t)
     return views, huge

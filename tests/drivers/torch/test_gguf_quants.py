@@ -21,7 +21,8 @@ from drivers.torch.driver import DriverOptions, TorchDriver
 from drivers.torch.weights.checkpoint import Checkpoint, load_checkpoint
 from drivers.torch.weights.gguf_stream import Int8Stream, TensorSpan, read_rows
 from drivers.torch.weights.quantize import per_row_int8
-from tests.drivers.torch.helpers import forward, random_tokens, request
+from tests.drivers.torch.helpers import forward, random_tokens, request, write_tiny_family
+from tests.drivers.torch.test_gguf_families import CASES, convert
 
 Q = gguf.GGMLQuantizationType
 # Every type `gguf.quants.dequantize` takes (F32 and F16 it views; the rest have block classes).
@@ -156,6 +157,17 @@ def test_streamed_int8_in_bfloat16_equals_dequantize_then_quantize(tmp_path: Pat
     streamed = load_checkpoint(path, show_progress=False, int8_dtype=torch.bfloat16)
     assert streamed.state["model.embed_tokens.weight"].dtype == torch.bfloat16
     assert torch.equal(_logits(streamed, weights="int8", dtype="bfloat16"), dense)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_family_streams_as_it_dequantizes(tmp_path: Path, name: str) -> None:
+    """Each GGUF architecture's layout (permuted q/k rows, Gemma's norms, Phi-3's fused
+    projections split into row ranges of one tensor) in both paths, w8a8 on the torch path."""
+    model_type, arch, settings = CASES[name]
+    path = str(convert(write_tiny_family(tmp_path / "m", model_type, **settings), arch, tmp_path / "m.gguf"))
+    options = dict(weights="w8a8", smooth=False, w8a8_kernel=False)
+    dense = _logits(load_checkpoint(path, show_progress=False), **options)
+    assert torch.equal(_logits(load_checkpoint(path, show_progress=False, int8_dtype=torch.float32), **options), dense)
 
 
 def test_smollm2_streamed_equals_dequantize_then_quantize(smollm2: Checkpoint) -> None:

@@ -63,7 +63,7 @@ class MessagesWire:
             "model": self._model,
             "content": content,
             "stop_reason": stop_reason,
-            "stop_sequence": None,
+            "stop_sequence": renderer.choices[0].stop_sequence,
             "usage": {"input_tokens": renderer.prompt_tokens, "output_tokens": renderer.completion_tokens},
         }
 
@@ -99,6 +99,8 @@ class MessagesWire:
     def _stop_reason(self, renderer: Renderer) -> str:
         if renderer.choices[0].finish_reason != "stop":
             return "max_tokens"
+        if renderer.choices[0].stop_sequence is not None:
+            return "stop_sequence"
         has_call = any(block["type"] == "tool_use" for block in self._final_blocks(renderer))
         return "tool_use" if has_call else "end_turn"
 
@@ -167,7 +169,7 @@ class MessagesWire:
         ]
 
     def closing(self, renderer: Renderer) -> list[bytes]:
-        delta = {"stop_reason": self._stop_reason(renderer), "stop_sequence": None}
+        delta = {"stop_reason": self._stop_reason(renderer), "stop_sequence": renderer.choices[0].stop_sequence}
         usage = {"output_tokens": renderer.completion_tokens}
         return [self._event("message_delta", delta=delta, usage=usage), self._event("message_stop")]
 

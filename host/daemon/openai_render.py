@@ -39,6 +39,7 @@ class Choice:
     entries: list[LogprobEntry] = field(default_factory=list)
     finish_reason: str | None = None
     num_tokens: int = 0
+    stop_sequence: str | None = None  # the stop string that ended it, if one did
 
 
 class Renderer:
@@ -78,10 +79,11 @@ class Renderer:
             entries = [entry] if entry is not None else []
             choice.entries += entries
             updates[index] = (index, text, entries, None)
-        for index, reason, num_tokens in message.get("finished", ()):
+        for index, reason, num_tokens, *stop in message.get("finished", ()):
             choice = self.choices[index]
             choice.finish_reason = reason
             choice.num_tokens = int(num_tokens)
+            choice.stop_sequence = str(stop[0]) if stop and stop[0] is not None else None
             _, text, entries, _ = updates.get(index, (index, "", [], None))
             updates[index] = (index, text, entries, reason)
         return list(updates.values())

@@ -233,8 +233,8 @@ def main(args: list[str]) -> None:
                     text += b.stop.flush(b.decoder.flush())
                     b.finish_reason = "length"
                 deltas.append([b.index, text, entry])
-            if b.finish_reason is not None:
-                finished.append([b.index, b.finish_reason, b.num_tokens])
+            if b.finish_reason is not None:  # with the stop sequence that ended it, if one did
+                finished.append([b.index, b.finish_reason, b.num_tokens, b.stop.matched])
         send(json.dumps({"deltas": deltas, "finished": finished}))
         for b in [b for b in live if b.finish_reason is not None]:
             b.ctx.__exit__(None, None, None)  # free the branch's pages as soon as it is done

@@ -43,14 +43,16 @@ class StopMatcher:
         self._stops = stops
         self._held = ""
         self._hold = max((len(s) for s in stops), default=1) - 1
+        self.matched: str | None = None  # the stop sequence found, once one is
 
     def push(self, text: str) -> tuple[str, bool]:
         """(text safe to emit, whether a stop sequence was found)."""
         if not self._stops:
             return text, False
         buf = self._held + text
-        cut = min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self._stops if (i := buf.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found, key=lambda hit: hit[0])
             self._held = ""
             return buf[:cut], True
         safe = len(buf) - self._hold if self._hold else len(buf)

@@ -111,12 +111,13 @@ def _serve_choice(req: ChatRequest, text: Iterable[str] | str, stops: list[str])
     one is held back until it cannot), then say how it finished."""
     pieces = [text] if isinstance(text, str) else text
     hold = max((len(s) for s in stops), default=1) - 1
-    whole, sent, stopped = "", 0, False
+    whole, sent, matched = "", 0, None
     for piece in pieces:
         whole += piece
-        cut = min((i for i in (whole.find(s, max(0, sent - hold)) for s in stops) if i >= 0), default=-1)
-        if cut >= 0:
-            whole, stopped = whole[:cut], True
+        found = [(i, s) for s in stops if (i := whole.find(s, max(0, sent - hold))) >= 0]
+        if found:
+            cut, matched = min(found, key=lambda hit: hit[0])
+            whole = whole[:cut]
             break
         if len(whole) - hold > sent:
             _delta(req.choice, whole[sent : len(whole) - hold])
@@ -124,8 +125,8 @@ def _serve_choice(req: ChatRequest, text: Iterable[str] | str, stops: list[str])
     if len(whole) > sent:
         _delta(req.choice, whole[sent:])
     num_tokens = len(tokenize(whole)) if whole else 0
-    reason = "length" if not stopped and num_tokens >= req.max_tokens else "stop"
-    send(json.dumps({"deltas": [], "finished": [[req.choice, reason, num_tokens]]}))
+    reason = "length" if matched is None and num_tokens >= req.max_tokens else "stop"
+    send(json.dumps({"deltas": [], "finished": [[req.choice, reason, num_tokens, matched]]}))
 
 
 def _delta(index: int, text: str) -> None:

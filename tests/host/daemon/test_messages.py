@@ -163,7 +163,12 @@ def test_stop_sequences_end_the_text(server: Server, client: anthropic.Anthropic
     whole = create(client, max_tokens=40).content[0].text
     stop = whole[10:12]
     cut = create(client, max_tokens=40, stop_sequences=[stop])
-    assert cut.content[0].text == whole[: whole.index(stop)] and cut.stop_reason == "end_turn"
+    assert cut.content[0].text == whole[: whole.index(stop)]
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    kwargs: Any = {"model": "dummy", "messages": ASK, "max_tokens": 40, "stop_sequences": [stop]}
+    with client.messages.stream(extra_body={"temperature": 0}, **kwargs) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.stop_reason == "stop_sequence" and streamed.stop_sequence == stop
 
 
 def test_output_config_format_parses_and_validates(client: anthropic.Anthropic) -> None:

@@ -87,7 +87,9 @@ def load_gguf_int8(
             state[key] = to_hf_layout(arch, cfg, key, w).to(dtype)
         progress.update(i + 1)
     orders = {key: functools.partial(to_hf_layout, arch, cfg, key) for key in spans}
-    return cfg, state, tok, Int8Stream(path, dtype, _split_spans(arch, cfg, spans), orders)
+    spans = _split_spans(arch, cfg, spans)
+    progress = Progress(f"quantizing {path.name} to int8", len(spans), show_progress)
+    return cfg, state, tok, Int8Stream(path, dtype, spans, orders, progress)
 
 
 def _split_spans(arch: str, cfg: ModelConfig, spans: dict[str, TensorSpan]) -> dict[str, TensorSpan]:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from drivers.errors import ConfigRejected
+from drivers.torch.progress import Progress
 from drivers.torch.weights.quantize import CHUNK_ELEMENTS, Int8Rows, quantize_rows
 
 # A tensor's rows in the model's order (e.g. llama.cpp's RoPE rows un-permuted); rows are int8
@@ -90,16 +91,19 @@ def read_tensor(path: Path, span: TensorSpan, dtype: torch.dtype) -> torch.Tenso
     return out.view(span.shape)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Int8Stream:
     """The projections of one GGUF file by checkpoint name, each read and quantized when asked
     for (`int8_rows`): rows are rounded to `dtype` first, as `quantize_int8` quantizes a model
-    built in `dtype`, so the result equals dequantizing everything and quantizing after."""
+    built in `dtype`, so the result equals dequantizing everything and quantizing after.
+    `progress`: counts the projections read (the first time each is)."""
 
     path: Path
     dtype: torch.dtype
     spans: dict[str, TensorSpan]
     row_orders: dict[str, RowOrder] = field(default_factory=dict)
+    progress: Progress | None = None
+    names_read: set[str] = field(default_factory=set)
 
     def int8_rows(self, name: str) -> Int8Rows:
         span = self.spans[name]
@@ -111,4 +115,7 @@ class Int8Stream:
             )
         if order := self.row_orders.get(name):
             q, scale = order(q), order(scale[:, None])[:, 0]
+        self.names_read.add(name)
+        if self.progress is not None:
+            self.progress.update(len(self.names_read))
         return q, scale

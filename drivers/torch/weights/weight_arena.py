@@ -40,9 +40,9 @@ def allocate(size_bytes: int) -> tuple[torch.Tensor, bool]:
 
 def slots(sizes: list[int]) -> tuple[list[torch.Tensor], bool]:
     """Int8 views of `sizes` bytes laid out one after the other (each start aligned to 64 bytes)
-    in one `allocate`d buffer, and whether it is on huge pages. A slot's pages are allocated when
-    first written, so filling the slots one by one (freeing each source as it is copied) never
-    holds two copies of the whole."""
+    in one `allocate`d buffer, and whether it is on huge pages. The mapped buffer's pages are
+    allocated when first written, so filling the slots one by one (freeing each source as it is
+    copied) never holds two copies of the whole."""
     offsets, size = [], 0
     for n in sizes:
         offsets.append(size)

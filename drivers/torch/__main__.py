@@ -24,6 +24,7 @@ from drivers.torch.parallel.tp_driver import (
     scatter_shards,
 )
 from drivers.torch.weights.checkpoint import Checkpoint, load_checkpoint
+from drivers.torch.weights.gguf_loader import smollm2_path
 from drivers.torch.weights.quantize import WEIGHT_KINDS
 
 
@@ -154,9 +155,46 @@ def _load(model: str, int8_dtype: torch.dtype | None = None) -> Checkpoint:
         ) from exc
 
 
+# A GGUF's float model is taken to be this many times its file (4.5 bits a weight -> 32).
+_FLOAT_PER_FILE_BYTE = 8
+
+
+def _streams_int8(model: str, options: DriverOptions) -> bool:
+    """Whether a GGUF's projections go straight into int8 (`gguf_stream`) rather than through a
+    float model: for int8 weights, when w8a8 smoothing is off (it needs the float model), or when
+    the float model would take more than half the memory available (then unsmoothed: said)."""
+    path = smollm2_path() if model == "smollm2" else Path(model)
+    if options.weights == "dense" or path.suffix != ".gguf" or not path.is_file():
+        return False
+    if options.weights == "int8" or not options.smooth:
+        return True
+    itemsize = torch.empty(0, dtype=DTYPES[options.dtype]).element_size()
+    float_bytes = path.stat().st_size * _FLOAT_PER_FILE_BYTE * itemsize // 4
+    available = _available_bytes()
+    if float_bytes <= available // 2:
+        return False
+    print(
+        f"[wafer torch] {model}: its float model would take about {float_bytes / 2**30:.1f} GiB of "
+        f"{available / 2**30:.1f} GiB available, so its weights go straight into int8, unsmoothed",
+        file=sys.stderr,
+        flush=True,
+    )
+    return True
+
+
+def _available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62  # unknown: assume room enough (the float path, smoothed)
+
+
 def _build(args: argparse.Namespace, options: DriverOptions, argv: list[str]) -> TorchDriver | TensorParallelDriver:
-    # On one rank a GGUF's projections go straight into int8; a tensor-parallel group shards floats.
-    streamed = options.weights != "dense" and args.tensor_parallel == 1
+    streamed = args.tensor_parallel == 1 and _streams_int8(args.model, options)
     ckpt = _load(args.model, DTYPES[options.dtype] if streamed else None)
     if args.tensor_parallel == 1:
         return TorchDriver(ckpt, options)

@@ -146,6 +146,10 @@ class _Sampling(_Strict):
     logit_bias: LogitBias | None = None
     # vLLM's sampling extensions (SGLang and llama.cpp's server take them too).
     repetition_penalty: RepetitionPenalty | None = None
+    # llama.cpp's server's names: repeat_penalty is repetition_penalty; repeat_last_n limits every
+    # penalty to the last n tokens (-1: the whole context, 0: penalties off).
+    repeat_penalty: RepetitionPenalty | None = None
+    repeat_last_n: Annotated[StrictInt, Field(ge=-1, le=1_000_000)] | None = None
     top_k: TopK | None = None
     min_p: MinP | None = None
     # vLLM's: logprobs name each token "token_id:N" (for tokens whose text does not round-trip).

@@ -268,16 +268,24 @@ def _message_text(message: Any) -> str:
 def _sampler_stages(req: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> dict[str, Any]:
     """The chat inferlet's arguments for the sampler chain: OpenAI's penalties and logit bias
     (token ids checked against the vocabulary, as vLLM does), vLLM's repetition_penalty, top_k
-    (-1 or 0: off) and min_p, llama.cpp's typical_p, top_n_sigma, xtc_probability /
-    xtc_threshold and mirostat (2) / mirostat_tau / mirostat_eta. Only the ones that change the
-    sampler."""
+    (-1 or 0: off) and min_p, llama.cpp's repeat_penalty (the same) and repeat_last_n, typical_p,
+    top_n_sigma, xtc_probability / xtc_threshold and mirostat (2) / mirostat_tau / mirostat_eta.
+    Only the ones that change the sampler."""
     args: dict[str, Any] = {}
     if req.frequency_penalty:
         args["frequency_penalty"] = req.frequency_penalty
     if req.presence_penalty:
         args["presence_penalty"] = req.presence_penalty
-    if req.repetition_penalty is not None and req.repetition_penalty != 1:
-        args["repetition_penalty"] = req.repetition_penalty
+    repetition = req.repetition_penalty if req.repetition_penalty is not None else req.repeat_penalty
+    if req.repeat_penalty is not None and req.repeat_penalty != repetition:
+        raise BadRequest("repeat_penalty and repetition_penalty name one penalty: give one", param="repeat_penalty")
+    if repetition is not None and repetition != 1:
+        args["repetition_penalty"] = repetition
+    if req.repeat_last_n == 0:  # llama.cpp: 0 turns the penalties off
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+            args.pop(name, None)
+    elif req.repeat_last_n is not None and req.repeat_last_n > 0:
+        args["penalty_last_n"] = req.repeat_last_n
     if req.top_k is not None and req.top_k > 0:
         args["top_k"] = req.top_k
     if req.min_p:

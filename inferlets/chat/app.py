@@ -66,7 +66,8 @@ def _sampler(req: dict, branch_index: int, prompt_length: int) -> Greedy | Rando
     repetition = float(req.get("repetition_penalty", 1.0))
     presence, frequency = float(req.get("presence_penalty", 0.0)), float(req.get("frequency_penalty", 0.0))
     if repetition != 1.0 or presence or frequency:
-        stages.append(Penalties(repetition, presence, frequency, since=prompt_length))
+        last_n = int(req.get("penalty_last_n", 0))  # llama.cpp's repeat_last_n
+        stages.append(Penalties(repetition, presence, frequency, since=prompt_length, last_n=last_n))
     if "dry" in req:  # llama.cpp's DRY; the daemon has turned its breaker strings into token ids
         d = req["dry"]
         stages.append(DRY(d["multiplier"], d["base"], d["allowed_length"], d["last_n"], tuple(d["breakers"])))

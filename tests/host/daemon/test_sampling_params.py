@@ -33,7 +33,8 @@ DRY_PARAMS = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_l
 
 
 def _complete(srv: Server, prompt: str = "xyz", **params: object) -> str:
-    extensions = ("repetition_penalty", "top_k", "min_p", "typical_p", "top_n_sigma", "xtc_probability")
+    extensions = ("repetition_penalty", "repeat_penalty", "repeat_last_n", "top_k", "min_p", "typical_p")
+    extensions += ("top_n_sigma", "xtc_probability")
     more = ("xtc_threshold", "mirostat", "mirostat_tau", "mirostat_eta", *DRY_PARAMS)
     extra = {k: params.pop(k) for k in (*extensions, *more) if k in params}
     params.setdefault("temperature", 0)
@@ -65,6 +66,16 @@ def test_repetition_penalty_counts_the_prompt_too(scripted: Server) -> None:
     # "a" in the prompt: a's 3 / 2 = 1.5 from the start; b 2.6 -> 1.3, c 2.2 -> 1.1 once said.
     assert _complete(scripted, prompt="a", repetition_penalty=2.0) == "bcaaa"
     assert _complete(scripted, prompt="xyz", repetition_penalty=2.0) == "abcaa"
+
+
+def test_llama_cpp_penalty_names(scripted: Server) -> None:
+    """repeat_penalty is repetition_penalty; repeat_last_n counts only the last n tokens (1: the
+    token just said, so a and b alternate), 0 turns the penalties off."""
+    assert _complete(scripted, prompt="xyz", repeat_penalty=2.0) == "abcaa"
+    assert _complete(scripted, prompt="xyz", repeat_penalty=2.0, repeat_last_n=1) == "ababa"
+    assert _complete(scripted, prompt="xyz", repeat_penalty=2.0, repeat_last_n=0) == "aaaaa"
+    with pytest.raises(openai.BadRequestError, match="name one penalty"):
+        _complete(scripted, repeat_penalty=2.0, repetition_penalty=1.5)
 
 
 def test_logit_bias_forces_and_bans(scripted: Server) -> None:

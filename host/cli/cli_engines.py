@@ -29,6 +29,7 @@ def engine_configs(ns: argparse.Namespace, say: Callable[[str], None]) -> list[E
             max_decode_steps=ns.max_decode_steps,
             multi_step_budget_ms=ns.multi_step_budget_ms,
             adapter_dir=ns.adapter_dir,
+            progress=say,
         )
         for driver, own in entries
     ]

@@ -190,6 +190,7 @@ class Supervisor:
                     group_reserve_page_fraction=self._config.key_reserve_pages_fraction,
                     max_run_contexts=self._config.run_max_contexts,
                     startup_timeout_s=self._config.driver_startup_timeout_s,
+                    progress=log.info,
                     grammar_budget=GrammarBudget(
                         self._config.grammar_compile_budget_s,
                         self._config.grammar_max_mib,

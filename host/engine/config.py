@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bridge_schema.config_rules import check_prefix_match_unit
@@ -52,6 +53,7 @@ class EngineConfig:
     request arriving meanwhile waits up to that long to join the batch.
     `startup_timeout_s`: how long the driver's handshake is waited for.
     `grammar_budget`: the grammar compiler's time and memory budgets.
+    `progress`: told of first-use costs a user waits on (the grammar engines' load), or None.
 
     A value that cannot work raises `InvalidRequest` here, before any driver starts.
     """
@@ -74,6 +76,7 @@ class EngineConfig:
     multi_step_budget_ms: float = MULTI_STEP_BUDGET_MS
     startup_timeout_s: float = 60.0
     grammar_budget: GrammarBudget = field(default_factory=GrammarBudget)
+    progress: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "driver_args", tuple(self.driver_args))

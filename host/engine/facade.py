@@ -181,6 +181,10 @@ class Engine:
         xgrammar and building the token table take a second or two)."""
         with self._grammar_lock:
             if self._grammar_compiler is None:
+                say = self.config.progress
+                started = time.monotonic()
+                if say is not None:
+                    say("loading the grammar engines for the first grammar (once per process, a few seconds)")
                 try:
                     from host.grammar import GrammarCompiler, TokenizerSpec
                 except ImportError as exc:  # installed without the `grammar` extra
@@ -194,6 +198,8 @@ class Engine:
                     max_grammar_mib=budget.max_grammar_mib,
                     cache_mib=budget.cache_mib,
                 )
+                if say is not None:
+                    say(f"grammar engines ready in {time.monotonic() - started:.1f} s")
             return self._grammar_compiler
 
     def load_adapter(self, run_id: int, name: str) -> int:

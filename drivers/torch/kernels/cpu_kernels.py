@@ -36,7 +36,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from drivers.torch.progress import Progress
+from drivers.torch.progress import ticking
 
 log = logging.getLogger(__name__)
 SOURCES = tuple(
@@ -52,9 +52,7 @@ SOURCES = tuple(
         "pass_plan.cpp",
     )
 )
-HEADERS = tuple(
-    Path(__file__).with_name(n) for n in ("cpu_features.h", "w8a8_avx2.inc", "step_parts.h", "vec_math.h")
-)
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_features.h", "w8a8_avx2.inc", "step_parts.h", "vec_math.h"))
 ISAS = ("portable", "avx2", "avx2_vnni", "avx512", "avx512_vnni")  # cpu_features.h's levels, lowest first
 KERNELS = ("w8a8", "decode_attention", "argmax", "sample", "f32_linear")
 # -fopenmp: ATen's `parallel_for` is OpenMP in headers; without it the kernels run on one thread.
@@ -183,6 +181,11 @@ def _not_built(reason: object) -> bool:
     return False
 
 
+def _is_built(directory: Path, name: str) -> bool:
+    """Whether a finished build of `name` is in `directory` (loading it takes no time to show)."""
+    return any(directory.glob(f"{name}*.so"))
+
+
 def _build(show_progress: bool) -> bool:
     try:
         from torch.utils import cpp_extension  # imports setuptools, which a venv may lack
@@ -193,11 +196,10 @@ def _build(show_progress: bool) -> bool:
         return _not_built("ninja is not installed")
     # The name carries the sources' hash: an edited kernel never loads a stale build.
     name = f"wafer_cpu_{source_digest()}"
-    progress = Progress("building the C++ CPU kernels (cached for the next start)", 1, show_progress)
-    progress.update(0)
+    what = "building the C++ CPU kernels (once; cached for the next start)"
     try:
         directory = build_directory(name)
-        with _one_builder(directory):
+        with _one_builder(directory), ticking(what, enabled=show_progress and not _is_built(directory, name)):
             module = cpp_extension.load(
                 name,
                 [str(s) for s in staged_sources(directory)],
@@ -211,7 +213,6 @@ def _build(show_progress: bool) -> bool:
         lines = str(exc).splitlines() or [type(exc).__name__]
         reason = next((line for line in lines if "error" in line), lines[0])
         return _not_built(reason.strip())
-    progress.update(1)
     _module.append(module)
     torch.library.register_fake("wafer::w8a8_linear")(_fake_linear)
     torch.library.register_fake("wafer::w8a8_linear_packed")(_fake_linear_packed)

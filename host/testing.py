@@ -46,6 +46,9 @@ class RunResult:
     # pre-fired pass (0 with `speculation_depth=0`).
     forwards: int = 0
     speculation_hits: int = 0
+    # The run's own pass requests (fills, decode steps, each pass of a group; a multi-step
+    # request of host-side generation is one, however many steps the engine ran in it).
+    passes: int = 0
 
     @property
     def ok(self) -> bool:
@@ -106,6 +109,7 @@ class LiveRun:
             outcome.run_id,
             forwards,
             hits,
+            int(self._handle.stats()["num_passes"]),
         )
 
 

@@ -126,6 +126,7 @@ def run_pass(run: RunState, builder: PassBuilder) -> list[OutputResult] | str:
     prepared = pass_request(run, builder)
     if isinstance(prepared, str):
         return prepared
+    run.num_passes += 1
     started_s = time.perf_counter()
     try:
         # Waits in slices: cancel and the wall clock stop the run during a long pass too.
@@ -149,6 +150,7 @@ def run_group(run: RunState, builders: list[PassBuilder]) -> list[list[OutputRes
     (`Services.forward_group`): one result per builder, in order, each as `run_pass` gives it."""
     prepared = [pass_request(run, b) for b in builders]
     group = [p for p in prepared if isinstance(p, tuple)]
+    run.num_passes += len(group)
     started_s = time.perf_counter()
     try:
         answers = iter(run.services.forward_group(run.run_id, group, may_wait=run.check_can_continue))

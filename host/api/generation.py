@@ -80,6 +80,7 @@ class _HostLoop:
         request = prepared[1]
         if self.is_plain:
             request.steps = min(self.run.services.max_decode_steps(), self.max_tokens - len(self.tokens))
+        self.run.num_passes += 1
         return len(result.outputs), request
 
     def _take(self, token: int) -> bool:
@@ -113,6 +114,7 @@ def generate(run: RunState, handle: ResourceAny, max_tokens: int, stop_tokens: l
     prepared = pass_request(run, first)
     if isinstance(prepared, str):
         return record(tokens=[], error=prepared, tail="")
+    run.num_passes += 1
     started_s = time.perf_counter()
     try:
         run.services.generate(run.run_id, prepared[0], prepared[1], loop.next_step)

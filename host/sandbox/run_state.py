@@ -65,6 +65,8 @@ class RunState:
     # Updated without a lock: `submit` helpers may add to forward_wait_s concurrently, and a
     # lost update only blurs a statistic.
     num_host_calls: int = 0
+    # Pass requests the run made (a multi-step request is one; a group of n passes is n).
+    num_passes: int = 0
     host_call_s: float = 0.0
     forward_wait_s: float = 0.0
     first_host_call_at_s: float = 0.0
@@ -79,6 +81,7 @@ class RunState:
     def stats(self) -> dict[str, float]:
         return {
             "num_host_calls": float(self.num_host_calls),
+            "num_passes": float(self.num_passes),
             "host_call_s": self.host_call_s,
             "forward_wait_s": self.forward_wait_s,
             "start_to_first_host_call_s": (

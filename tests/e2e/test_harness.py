@@ -52,6 +52,8 @@ def test_forked_branches_each_say_the_script_and_free_their_pages(inferlet_runne
     # Each sampled token's logprob under the dummy's uniform 260 tokens: "a", "b", end of text.
     assert message["logprobs"] == [round(-3 * math.log(260), 4)] * 3
     assert result.pages_held == 0 and inferlet_runner.engine.num_free_pages == free
+    # The run's own pass requests: the prompt's fill, then 3 grouped steps (a, b, end) of 3 branches.
+    assert result.passes == 1 + 3 * 3, result.passes
 
 
 @pytest.mark.dummy(speculation_depth=0, pass_latency_ms=20)

@@ -49,16 +49,17 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory, monkeypatch_module: pytest.MonkeyPatch) -> Iterator[openai.OpenAI]:
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     """`wafer serve path/to/model.gguf`, as a user types it: the model file as the argument (it
     implies the torch driver) and the name clients call it by."""
-    for key in [k for k in os.environ if k.startswith("WAFER_")]:
-        monkeypatch_module.delenv(key)
     parser, _ = build_parser()
     argv = ["serve", str(smollm2_path()), "--served-model-name", MODEL, "--port", str(_free_port())]
     argv += ["--driver-arg=--threads", "--driver-arg=1", "--driver-arg=--dtype", "--driver-arg=float32"]
     argv += ["--data-dir", str(tmp_path_factory.mktemp("daemon-smollm2")), "--log-level", "warning"]
-    config = dataclasses.replace(config_of(parser.parse_args(argv)), cache_dir=default_cache_dir())
+    with pytest.MonkeyPatch.context() as patch:  # the command line alone, whatever WAFER_* is set
+        for key in [k for k in os.environ if k.startswith("WAFER_")]:
+            patch.delenv(key)
+        config = dataclasses.replace(config_of(parser.parse_args(argv)), cache_dir=default_cache_dir())
     assert config.replica_drivers == ("torch",) and config.driver_argv[:2] == ("--model", str(smollm2_path()))
     daemon = Daemon(config)
     server = uvicorn.Server(
@@ -79,12 +80,6 @@ def client(tmp_path_factory: pytest.TempPathFactory, monkeypatch_module: pytest.
         yield c
     server.should_exit = True
     thread.join(timeout=60)
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
 
 
 def ask(client: openai.OpenAI, content: str, **kw: Any) -> Any:
